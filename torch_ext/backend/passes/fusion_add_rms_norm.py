@@ -2,40 +2,43 @@
 
 Matched in the post-grad graph (the model's code, as Dynamo and AOT autograd decompose it):
 
-    r = x + residual
-    h = r.float()
+    r = x + residual                   # or addmm(residual, a, b): Inductor folds mm + add so
+    h = r.float()                      #   when r has a non-pointwise user (always on CPU)
     var = h.pow(2).mean(-1, keepdim=True)
     y = (h * torch.rsqrt(var + eps)).to(x.dtype) * weight      # outputs: r and y
 
-for x, residual and weight of one dtype among `dtypes` (any eps, any leading shape). Inductor's
-pattern matcher finds it (one pattern per dtype, traced like Inductor's own replacements); the
-replacement is done by `MultiOutputMatch` (two outputs), as `auto_functionalized(fused_add_rms_norm)`
-plus two getitems. Inductor then re-inplaces it: x and residual are updated in place when nothing
-reads them afterwards, else cloned first; a graph input is always cloned (`skip_graph_inputs`
-avoids that case).
+for x, residual and weight of one dtype among `dtypes`, any eps, any leading shape. Inductor's
+pattern matcher finds it (patterns traced like Inductor's own replacements); `MultiOutputMatch`
+replaces it (two outputs) with `auto_functionalized(fused_add_rms_norm)` and two getitems, after
+an `mm` for the addmm form. Inductor then re-inplaces: x and residual are updated in place when
+nothing reads them later, else cloned first; a graph input is always cloned (`skip_graph_inputs`
+leaves such matches alone).
 
 Bytes per layer in the decode benchmark (16-layer Llama-style decoder, hidden H = 2048, bf16,
-B tokens per step). Let T = 2*B*H bytes = 4 KiB * B, one bf16 activation; an fp32 one is 2T.
-Each layer has two add+RMSNorms (before attention and before the MLP); the first layer's first norm
-has no add and is not matched.
+B tokens per step). T = 2*B*H bytes = 4 KiB * B, one bf16 activation (an fp32 one is 2T). A layer
+has two add+RMSNorms, A (after attention) and B (after the MLP, the next layer's input norm).
 
-- Minimum traffic of one add+RMSNorm: read x, residual; write r, y = 4T (+ 4 KiB of weight).
-- Op by op (eager, no fusion): add 3T, .float() 3T, pow 4T, mean 2T, h*rsqrt 4T, .to(bf16) 3T,
-  *weight 2T = 21T. The fused op saves 17T per norm, 34T = 136 KiB * B per layer.
-- Inductor alone (the benchmark's piecewise baseline) already emits one kernel per norm. With
-  2048 > 1024 (Inductor's persistent-reduction limit) it is a looped reduction: loop 1 reads x and
-  residual, writes r and sums squares; loop 2 re-reads r (from L2 at decode sizes) and writes y.
-  That is 4T of DRAM traffic plus T of re-read, so the fusion saves at most T per norm, 2T = 8 KiB * B
-  per layer, and only L2 traffic.
-- Clones: with attention as the splitting op, the norm after attention gets `residual` as an input
-  of its piece, which Inductor will not mutate: it clones it (read T + write T = 2T, one more kernel).
-  Net per layer: 2T saved - 2T cloned = about 0 bytes, plus one extra kernel per layer; with
-  `skip_graph_inputs=True` that norm stays with Inductor and the net is T = 4 KiB * B saved, again L2.
+- Least traffic for one add+RMSNorm: read x, residual; write r, y: 4T (+ 4 KiB of weight). The
+  Triton kernel does exactly that (one program per row, the row stays in registers).
+- Against eager op by op: add 3T, .float() 3T, pow 4T, mean 2T, h*rsqrt 4T, .to 3T, *weight 2T
+  = 21T, so 17T saved per norm, 34T = 136 KiB * B per layer.
+- Against Inductor (the benchmark's piecewise column), which already emits one kernel per norm:
+  2048 > 1024 (its persistent-reduction limit) makes it a looped reduction that re-reads r in its
+  second loop, from L2 at decode sizes. The fusion saves that re-read, T per norm, and costs:
+  - +2T and one clone kernel when `residual` is an input of the piece: norm A, since attention
+    is the splitting op;
+  - +T when Inductor had folded the add into the projection before it (addmm epilogue, done on GPU
+    when the sum has a non-pointwise user: norm B's r is a piece output, and once B is folded A's
+    r feeds an addmm): the fusion splits it back into mm + op, writing and re-reading the product.
+    Only with 2-D activations; 3-D ones put views between mm and add, and nothing is folded.
+  Per layer, 2-D: 2T of L2 reads saved, 4T of DRAM traffic added (+16 KiB * B); 3-D: 2T saved,
+  2T added (+8 KiB * B); each with one more kernel. With `skip_graph_inputs=True` norm A stays with
+  Inductor: 2-D +T - T, 3-D -T (L2 only): about 0.
 
-Prediction: against the piecewise Inductor baseline the fusion saves no DRAM bytes per layer (at
-most 8 KiB * B of L2 re-reads, e.g. 16 layers * 8 KiB = 128 KiB per step at B=1, about 0.03 us at
-4.3 TB/s) and adds 16 small clone kernels per step unless `skip_graph_inputs`; the decode step time
-should not move beyond noise. The 136 KiB * B per layer saving holds only against unfused eager.
+Prediction: against piecewise Inductor the fusion saves no DRAM bytes per layer; it adds 4T
+(2-D) or 2T (3-D) per layer, 16 * 16 KiB = 256 KiB per step at B=1 (about 0.06 us at 4.3 TB/s),
+and 16 clone kernels per step: expect equal or slightly slower steps, dominated by the extra
+kernels. Its saving is against unfused eager: 34T = 136 KiB * B per layer.
 """
 from __future__ import annotations
 
