@@ -1,0 +1,1 @@
+"""HOPs torch lacks on some supported versions, and user-facing op helpers (torch_ext.hops)."""

@@ -1,0 +1,105 @@
+"""Every difference between the torch versions torch_ext supports (2.9.1 .. 2.13), and nothing else.
+
+No other module branches on the torch version: they import the Dynamo internals they need from here.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch._dynamo import exc as _exc
+from torch._dynamo.variables import higher_order_ops as _hops
+from torch._dynamo.variables.base import VariableTracker  # noqa: F401  (re-exported)
+from torch._dynamo.variables.builder import wrap_fx_proxy  # noqa: F401  (same signature everywhere)
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+# 2.10 introduced wrap-semantics speculation in torch itself.
+TORCH_HAS_WRAP_SEMANTICS = hasattr(_hops, "speculate_subgraph_with_auto_output_flattening")
+
+# torch's own VariableTrackers that ours extend (we keep their subgraph installation and naming).
+WrapHigherOrderVariable = _hops.WrapHigherOrderVariable
+CheckpointHigherOrderVariable = _hops.CheckpointHigherOrderVariable
+DynamoBypassingWrapperHigherOrderVariable = _hops.DynamoBypassingWrapperHigherOrderVariable
+BaseHOPVariable = _hops.BaseHOPVariable
+try:  # 2.12+ moved it to its own module
+    from torch._dynamo.variables.invoke_subgraph import InvokeSubgraphHigherOrderVariable
+except ImportError:
+    InvokeSubgraphHigherOrderVariable = _hops.InvokeSubgraphHigherOrderVariable
+
+make_attr = _hops.make_attr
+validate_args_and_maybe_create_graph_inputs = _hops.validate_args_and_maybe_create_graph_inputs
+dynamo_enable_grad = _hops.dynamo_enable_grad
+Unsupported = _exc.Unsupported
+
+
+def hop_variable_registry() -> dict[str, type]:
+    """Dynamo's HOP-name -> VariableTracker class table (same name and role on every version)."""
+    return _hops._hop_name_to_variable_class
+
+
+def hop_variables_module():
+    """The module whose global `BaseHOPVariable` is the fallback for BaseHOPs without a table entry."""
+    return _hops
+
+
+def unimplemented(*, gb_type: str, context: str, explanation: str, hints: list[str]):
+    """Raise Dynamo's graph-break error (a hard error under fullgraph=True)."""
+    if hasattr(_exc, "unimplemented_v2"):  # 2.9.1: the keyword form is unimplemented_v2
+        _exc.unimplemented_v2(gb_type=gb_type, context=context, explanation=explanation, hints=hints)
+    _exc.unimplemented(gb_type=gb_type, context=context, explanation=explanation, hints=hints)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def subtracer(tx, source_target, description: str):
+    """Enter a fresh SubgraphTracer for a HOP body; 2.13 also names it with `description`."""
+    if TORCH_VERSION >= (2, 10):
+        return tx.output.subtracer(source_target, None, description)
+    return tx.output.subtracer(source_target, None)
+
+
+def defer_outer_mutation_checks(tx):
+    """2.11+ defers refusing outer-scope mutations to the end of the body (flag flip-flops are fine)."""
+    side_effects = tx.output.side_effects
+    if hasattr(side_effects, "defer_side_effect_checks"):
+        return side_effects.defer_side_effect_checks()
+    return contextlib.nullcontext()
+
+
+def torch_allows_checkpoint_side_effects() -> bool:
+    """torch's own opt-in (2.10+ config flag) to let checkpoint bodies mutate outer Python state."""
+    return bool(getattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", False))
+
+
+def checkpoint_body_context(tx, allow_side_effects: bool):
+    """Mark the current tracer as a checkpoint body; optionally allow outer side effects in it."""
+    if hasattr(_hops, "dynamo_under_activation_checkpoint"):  # 2.9.1
+        from torch._dynamo.side_effects import allow_side_effects_under_checkpoint
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(_hops.dynamo_under_activation_checkpoint(tx))
+        if allow_side_effects:
+            stack.enter_context(allow_side_effects_under_checkpoint(tx))
+        return stack
+    if allow_side_effects:
+        return _hops.dynamo_allow_side_effects_in_hop(tx)
+    return contextlib.nullcontext()
+
+
+def hard_error_on_graph_break(reason: str):
+    """A graph break inside a nested_compile_region is a hard error in torch. 2.9.1 says so with a
+    decorator on `_call_function`; 2.10+ with the class attribute `_ALLOW_FALLBACK_TO_EAGER = False`."""
+    if hasattr(_hops, "raise_hard_error_if_graph_break"):
+        return _hops.raise_hard_error_if_graph_break(reason=reason)
+    return lambda fn: fn
+
+
+def python_constant_with_guards(vt) -> Any:
+    """The Python value of a constant-like VT (functools.partial, function), guarding on it."""
+    return vt.guard_as_python_constant()
+
+
+def side_effect_stack(subtracer) -> Any:
+    """Outer side effects recorded while tracing a body that was allowed to have them (2.13), else None."""
+    return getattr(subtracer, "side_effect_stack", None)

@@ -1,0 +1,40 @@
+"""`invoke_subgraph`, which `torch.compiler.nested_compile_region` functions are traced as.
+
+Repeated calls of one region share one subgraph: torch's `install_subgraph_in_output_graph`
+(inherited) finds an identical previously installed body and reuses its name.
+invoke_subgraph is not inlined before autograd, so its outputs may not alias its inputs.
+"""
+from __future__ import annotations
+
+import torch
+
+from torch_ext import compat
+
+from .base import WrapSemanticsMixin
+from .reproxify import call_and_reproxify
+
+
+class InvokeSubgraphVariable(WrapSemanticsMixin, compat.InvokeSubgraphHigherOrderVariable):
+    supports_input_mutation = True
+    supports_aliasing = False
+
+    @compat.hard_error_on_graph_break(
+        reason="torch.compile requires the `nested_compile_region` decorated function to be "
+        "capturable into a single graph",
+    )
+    def _call_function(self, tx, args, kwargs):
+        fn_vt = args[0]
+        spec, body_gmod, body_name, proxy_args = self.trace_body(
+            tx, fn_vt, args[1:], kwargs, subgraph_name="subgraph"
+        )
+        # nested_compile_region(options=...) hands its options to the backend through node meta.
+        fn = fn_vt.get_function() if hasattr(fn_vt, "get_function") else None
+        config = getattr(fn, "__marked_compile_region_config__", None)
+        node_meta = None
+        if config is not None:
+            body_gmod.meta["nested_region_config"] = config
+            node_meta = {"custom": {"nested_region_config": config}}
+        body_node, *lifted = proxy_args
+        return call_and_reproxify(
+            tx, torch._higher_order_ops.invoke_subgraph, (body_node, body_name, *lifted), {}, spec, node_meta
+        )
