@@ -148,6 +148,9 @@ class FuseAddRMSNormPass(Pass):
         from torch._dynamo.utils import counters
 
         patterns = self._pattern_pass()
+        if graph.owning_module is None:
+            # The pattern matcher needs a GraphModule; Inductor's graphs have one, bare ones don't.
+            torch.fx.GraphModule(torch.nn.Module(), graph)
         self._found = []
         try:
             # The extra check records each match and declines it, so the matcher replaces nothing.
