@@ -1,0 +1,42 @@
+"""The torch_ext piecewise Inductor backend.
+
+    torch.compile(model, backend="torch_ext")                       # default CompileConfig
+    torch.compile(model, backend=torch_ext.backend(CompileConfig(splitting_ops=["mylib::attention"])))
+"""
+from __future__ import annotations
+
+from torch_ext.backend.backend import TorchExtBackend
+from torch_ext.backend.cache import UnsafeCacheDirError
+from torch_ext.backend.compiler import Variant, current_compile_variant
+from torch_ext.backend.config import CompileConfig, ConfigError
+from torch_ext.backend.counters import counters
+from torch_ext.backend.split import SplitError
+
+__all__ = [
+    "CompileConfig",
+    "ConfigError",
+    "SplitError",
+    "TorchExtBackend",
+    "UnsafeCacheDirError",
+    "Variant",
+    "counters",
+    "current_compile_variant",
+    "make_backend",
+    "torch_ext_backend",
+]
+
+
+def make_backend(config: CompileConfig | None = None) -> TorchExtBackend:
+    """A Dynamo backend compiling with `config` (the default CompileConfig when None)."""
+    return TorchExtBackend(config)
+
+
+_default_backend: TorchExtBackend | None = None
+
+
+def torch_ext_backend(gm, example_inputs):
+    """`backend="torch_ext"`: the backend with the default CompileConfig, shared by all its uses."""
+    global _default_backend
+    if _default_backend is None:
+        _default_backend = TorchExtBackend()
+    return _default_backend(gm, example_inputs)

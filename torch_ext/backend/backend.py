@@ -1,0 +1,122 @@
+"""The Dynamo backend: Dynamo graph -> split -> per-piece compile -> per-shape runners.
+
+Returns the split graph module, whose compute pieces are replaced by `CompiledPiece` runners and
+whose splitting ops run eagerly between them. Training works: compiled pieces carry AOTAutograd
+backward graphs, and splitting ops use their own autograd formulas.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+import torch.fx as fx
+
+from torch_ext.backend import dump
+from torch_ext.backend.builder import PieceGroup, VariantBuilder
+from torch_ext.backend.cache import ArtifactStore, ensure_private_dir, model_key
+from torch_ext.backend.compiler import InductorCompiler
+from torch_ext.backend.config import CompileConfig
+from torch_ext.backend.counters import counters
+from torch_ext.backend.piecewise import batch_symbol
+from torch_ext.backend.split import INLINABLE_HOPS, SplitGraph, SplittingOpMatcher, hop_name, split_graph
+
+log = logging.getLogger("torch_ext.backend")
+
+
+class TorchExtBackend:
+    """A Dynamo backend: `torch.compile(model, backend=TorchExtBackend(config))`."""
+
+    def __init__(self, config: CompileConfig | None = None):
+        self.config = config if config is not None else CompileConfig()
+        self.matcher = SplittingOpMatcher(self.config.splitting_ops)
+        self.builder = VariantBuilder(InductorCompiler(self.config))
+        self._graphs = 0
+        if self.config.cache_dir and os.path.exists(self.config.cache_dir):
+            ensure_private_dir(self.config.cache_dir)  # refuse an unsafe directory early
+
+    def __repr__(self) -> str:
+        return f"TorchExtBackend({self.config})"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
+        start = time.perf_counter()
+        before = counters.snapshot()
+        index = self._graphs
+        self._graphs += 1
+        counters.graphs_seen += 1
+        dumper = dump.DebugDumper(self.config.debug_dump_dir, index) if self.config.debug_dump_dir else None
+        if dumper:
+            dumper.graph("dynamo_graph.py", gm, "the graph Dynamo handed to the torch_ext backend")
+
+        store = self._store()
+        group = PieceGroup(f"graph {index}", self.config, self.builder, store, batch_symbol(gm))
+        split = split_graph(gm, self.matcher, self.config.hop_split)
+        self._install_runners(split, group, dumper)
+        self._compile_general(group)
+
+        dump.trace_artifact("torch_ext_split_graph", lambda: dump.readable(split.split_gm))
+        if dumper:
+            dumper.graph("split_graph.py", split.split_gm, "pieces called in order; splitting ops run eagerly")
+        after = counters.snapshot()
+        log.info(
+            "torch_ext: graph %d split into %d compute pieces (%d unique) around %d splitting ops; "
+            "%d Inductor compiles, %d cache hits in %.2f s",
+            index, after["pieces"] - before["pieces"], len(group.pieces),
+            after["splitting_op_calls"] - before["splitting_op_calls"],
+            after["inductor_compiles"] - before["inductor_compiles"],
+            after["cache_hits"] - before["cache_hits"], time.perf_counter() - start)
+        return split.split_gm
+
+    def _store(self) -> ArtifactStore | None:
+        if not self.config.cache_dir:
+            return None
+        traced = torch._guards.TracingContext.get_traced_code() or []
+        files = [code.co_filename for code in traced]
+        return ArtifactStore(self.config.cache_dir, model_key(self.config.artifact_hash(), files))
+
+    def _install_runners(self, split: SplitGraph, group: PieceGroup, dumper, done: set | None = None) -> None:
+        """Point every piece call of the split graph at its runner (recursing into split HOP bodies)."""
+        done = set() if done is None else done
+        if id(split) in done:  # a body shared by several call sites
+            return
+        done.add(id(split))
+        for position, piece in enumerate(split.pieces):
+            if piece.kind == "splitting":
+                counters.splitting_op_calls += 1
+                continue
+            if piece.kind == "hop":
+                self._install_runners(piece.body, group, dumper, done)
+                _call_split_body(piece.graph_module, piece.hop_node, piece.body.split_gm)
+                continue
+            counters.pieces += 1
+            runner = group.piece_for(piece.name, piece.graph_module, position)
+            if dumper:
+                note = "runs as plain Python (nothing to compile)" if runner is None else \
+                    f"fingerprint {runner.fingerprint[:16]}, runs as {runner.name} of {group.name}"
+                dumper.graph(os.path.join("pieces", f"{id(split):x}_{piece.name}.py"), piece.graph_module, note)
+            if runner is not None:
+                # The split graph calls `self.<name>(...)`; an instance attribute replaces the submodule.
+                delattr(split.split_gm, piece.name)
+                split.split_gm.__dict__[piece.name] = runner
+
+    def _compile_general(self, group: PieceGroup) -> None:
+        counters.unique_pieces += len(group.pieces)
+        group.compile_general()
+
+
+def _call_split_body(partition: fx.GraphModule, hop_node_name: str, body_split: fx.GraphModule) -> None:
+    """In a partition holding one HOP call, call the split body instead (in_body mode)."""
+    graph = partition.graph
+    hop = next(n for n in graph.nodes if n.name == hop_node_name)
+    body_index, first_operand = INLINABLE_HOPS[hop_name(hop)]
+    partition.add_submodule("split_body", body_split)
+    with graph.inserting_before(hop):
+        call = graph.call_module("split_body", tuple(hop.args[first_operand:]))
+    call.meta = dict(hop.meta)
+    hop.replace_all_uses_with(call)
+    body_attr = hop.args[body_index]
+    graph.erase_node(hop)
+    if isinstance(body_attr, fx.Node) and not body_attr.users:
+        graph.erase_node(body_attr)
+    partition.recompile()

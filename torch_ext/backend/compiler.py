@@ -1,0 +1,156 @@
+"""Compile one piece with Inductor (torch._inductor.standalone_compile), and turn the result into
+bytes and back. Knows nothing of caches, dedup or dispatch."""
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import logging
+import os
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from torch_ext.backend.config import CompileConfig
+from torch_ext.backend.counters import counters
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """Which shapes a compiled artifact serves: all ("general"), one size, or a size range [lo, hi)."""
+
+    kind: str  # "general" | "size" | "range"
+    size: int | None = None
+    lo: int | None = None
+    hi: int | None = None
+
+    @property
+    def label(self) -> str:
+        if self.kind == "size":
+            return f"size={self.size}"
+        if self.kind == "range":
+            return f"range=[{self.lo},{self.hi})"
+        return "general"
+
+    @property
+    def compile_size(self) -> int | None:
+        return self.size if self.kind == "size" else None
+
+
+GENERAL = Variant("general")
+
+_current_variant: contextvars.ContextVar[Variant | None] = contextvars.ContextVar("torch_ext_variant", default=None)
+
+
+def current_compile_variant() -> Variant | None:
+    """The variant being compiled right now; post-grad passes read it to act per size or range."""
+    return _current_variant.get()
+
+
+class PieceCompileError(RuntimeError):
+    pass
+
+
+def _fake_mode_of(values):
+    for v in values:
+        if isinstance(v, torch._subclasses.FakeTensor):
+            return v.fake_mode
+    return None
+
+
+def _load_pass_manager():
+    from torch_ext.backend.passes import PassManager  # owned by the passes engineer; imported on use
+
+    return PassManager
+
+
+class InductorCompiler:
+    def __init__(self, config: CompileConfig):
+        self.config = config
+        self._pass_managers: dict[int | None, Any] = {}
+
+    def pass_manager(self, variant: Variant):
+        """The post-grad PassManager for this variant, or None when no passes are configured."""
+        if not self.config.post_grad_passes:
+            return None
+        size = variant.compile_size
+        if size not in self._pass_managers:
+            try:
+                pass_manager_cls = _load_pass_manager()
+            except ImportError as e:
+                raise PieceCompileError(
+                    "CompileConfig.post_grad_passes needs torch_ext.backend.passes.PassManager, which "
+                    f"cannot be imported ({e}). Install a torch_ext that has it, or drop post_grad_passes."
+                ) from e
+            self._pass_managers[size] = pass_manager_cls(self.config.post_grad_passes, compile_size=size)
+        return self._pass_managers[size]
+
+    def key_factors(self, variant: Variant) -> str:
+        """What, besides the piece graph and the config, decides the compiled code of this variant."""
+        pm = self.pass_manager(variant)
+        return f"{variant.label}|passes={pm.uuid() if pm is not None else ''}|grad={torch.is_grad_enabled()}"
+
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], variant: Variant, *, name: str = ""):
+        """Compile gm for the variant; returns Inductor's CompiledArtifact (callable with *args)."""
+        patches = dict(self.config.inductor_options)
+        pm = self.pass_manager(variant)
+        if pm is not None:
+            patches["post_grad_custom_post_pass"] = pm
+        options = {"config_patches": patches}
+        start = time.perf_counter()
+        token = _current_variant.set(variant)
+        try:
+            if variant.kind == "size":
+                # Real tensors of the first call at this size: Inductor specializes every shape.
+                artifact = torch._inductor.standalone_compile(
+                    gm, list(example_inputs), dynamic_shapes="from_example_inputs", options=options)
+            else:
+                # Symbolic shapes of Dynamo's fake tensors, compiled in their own fake mode (not the
+                # tracing context's: Dynamo gives backends a fresh mode on some versions).
+                fake_mode = _fake_mode_of(example_inputs)
+                if fake_mode is None:
+                    artifact = torch._inductor.standalone_compile(
+                        gm, list(example_inputs), dynamic_shapes="from_graph", options=options)
+                else:
+                    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+                        artifact = torch._inductor.standalone_compile(
+                            gm, list(example_inputs), dynamic_shapes="from_tracing_context", options=options)
+        except Exception as e:
+            raise PieceCompileError(f"Inductor failed to compile piece {name} ({variant.label}): {e}") from e
+        finally:
+            _current_variant.reset(token)
+            elapsed = time.perf_counter() - start
+            counters.compile_seconds += elapsed
+        counters.inductor_compiles += 1
+        counters.compiles_by_variant[variant.label] += 1
+        log.debug("compiled piece %s (%s) in %.2f s", name, variant.label, elapsed)
+        return artifact
+
+    @staticmethod
+    def serialize(artifact) -> bytes | None:
+        """The artifact as bytes, or None when Inductor could not make it saveable."""
+        with tempfile.TemporaryDirectory(prefix="torch_ext_save_") as tmp:
+            path = os.path.join(tmp, "artifact.bin")
+            try:
+                artifact.save(path=path, format="binary")
+            except Exception as e:  # e.g. unpicklable constants: keep it in memory only
+                log.warning("torch_ext: a compiled piece cannot be saved to the cache (%s); it will be "
+                            "recompiled in the next process", e)
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+
+    @staticmethod
+    def deserialize(blob: bytes) -> Callable[..., Any]:
+        with tempfile.TemporaryDirectory(prefix="torch_ext_load_") as tmp:
+            path = os.path.join(tmp, "artifact.bin")
+            with open(path, "wb") as f:
+                f.write(blob)
+            start = time.perf_counter()
+            artifact = torch._inductor.CompiledArtifact.load(path=path, format="binary")
+            counters.load_seconds += time.perf_counter() - start
+            return artifact

@@ -1,0 +1,224 @@
+"""CompileConfig: everything the torch_ext backend needs to know, validated on construction.
+
+Cache directory: by default a per-user directory, `$TORCH_EXT_CACHE_DIR`, else
+`$XDG_CACHE_HOME/torch_ext`, else `~/.cache/torch_ext`. `cache_dir=None` (or "") turns the
+on-disk cache off; identical pieces are still compiled once per process.
+
+Compile variants of every piece: one for the general symbolic shape (compiled when Dynamo
+hands us the graph), one per size in `compile_sizes` and one per bounded range of
+`compile_ranges_split_points` (both compiled lazily, the first time a call falls into them).
+Split points p1 < ... < pk give ranges [1, p1), [p1, p2), ..., [pk, inf); the unbounded last
+range is served by the general compile. Range variants are symbolic compiles like the
+general one; post-grad passes can tell them apart (see compiler.current_compile_variant()).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+import re
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+CUDAGRAPH_MODES = ("none", "piecewise", "full")
+HOP_SPLIT_MODES = ("inline", "in_body")
+
+_OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
+
+
+def default_cache_dir() -> str:
+    if os.environ.get("TORCH_EXT_CACHE_DIR"):
+        return os.path.abspath(os.path.expanduser(os.environ["TORCH_EXT_CACHE_DIR"]))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(os.path.abspath(base), "torch_ext")
+
+
+class ConfigError(ValueError):
+    """A CompileConfig field has a bad value; the message names the field and the fix."""
+
+
+def _fail(field: str, problem: str, fix: str) -> None:
+    raise ConfigError(f"CompileConfig.{field}: {problem}. {fix}")
+
+
+def op_name(op: Any) -> str:
+    """The qualified name ("ns::name" or "ns::name.overload") of an op given as a string or op object."""
+    if isinstance(op, str):
+        return op
+    if isinstance(op, torch._ops.OpOverload):
+        return op.name() if op._overloadname == "default" else f"{op._schema.name}.{op._overloadname}"
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op._qualified_op_name
+    qualname = getattr(op, "_qualname", None)  # torch.library.custom_op's CustomOpDef
+    if isinstance(qualname, str):
+        return qualname
+    raise TypeError(f"not an operator: {op!r}")
+
+
+def resolve_op(name: str) -> torch._ops.OpOverloadPacket | torch._ops.OpOverload:
+    """Look an op name up in torch.ops; raise ConfigError (naming the op and the fix) if absent."""
+    ns, _, rest = name.partition("::")
+    base, _, overload = rest.partition(".")
+    try:
+        packet = getattr(getattr(torch.ops, ns), base)
+        return getattr(packet, overload) if overload else packet
+    except (AttributeError, RuntimeError):
+        _fail(
+            "splitting_ops",
+            f"no operator named {name!r} is registered",
+            "Define it before building the config (torch_ext.hops.splitting_op.splitting_op or "
+            "torch.library.custom_op) and check the spelling 'namespace::name'",
+        )
+        raise  # unreachable
+
+
+def _qualified_name(obj: Any) -> str:
+    target = obj if hasattr(obj, "__qualname__") else type(obj)
+    return f"{target.__module__}.{target.__qualname__}"
+
+
+def _as_int_tuple(field: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        _fail(field, f"expected a sequence of ints, got {value!r}", f"Write e.g. {field}=(8, 32)")
+    out = []
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, int):
+            _fail(field, f"{v!r} is not an int", f"Write e.g. {field}=(8, 32)")
+        if v <= 0:
+            _fail(field, f"{v} is not positive", "Sizes count rows of the dynamic dimension; use values >= 1")
+        out.append(v)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileConfig:
+    # Ops the graph is split at; they run eagerly between compiled pieces ("ns::name" or op objects).
+    splitting_ops: tuple[str, ...] = ()
+    # Sizes of the dynamic dimension (dim 0 of the batch input) compiled specifically.
+    compile_sizes: tuple[int, ...] = ()
+    # Strictly increasing split points of the dynamic dimension into compile ranges.
+    compile_ranges_split_points: tuple[int, ...] = ()
+    # Inductor config patches applied to every piece compile (keys of torch._inductor.config).
+    inductor_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+    cache_dir: str | None = dataclasses.field(default_factory=default_cache_dir)
+    # Readable Python of the Dynamo graph, the split graph and every piece; depyf of Dynamo's code.
+    debug_dump_dir: str | None = None
+    # Compile pieces with identical graphs once and share the result.
+    dedup: bool = True
+    # Splitting ops inside HOP bodies: "inline" the HOP into its caller before the split (default,
+    # measured faster at run time, see split.py), or split "in_body" and share the split body.
+    hop_split: str = "inline"
+    # Inductor CustomGraphPass-style passes run post-grad through torch_ext.backend.passes.PassManager.
+    post_grad_passes: tuple[Any, ...] = dataclasses.field(default=(), hash=False)
+    # tqdm progress bars while compiling several pieces (None: only on a terminal).
+    progress_bar: bool | None = None
+    # Used by the CUDA-graph runner (a later issue); declared and validated now.
+    cudagraph_mode: str = "none"
+    cudagraph_capture_sizes: tuple[int, ...] = ()
+    cudagraph_num_warmup: int = 1
+    cudagraph_check_addresses: bool = False
+    guard_free_dispatch: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+
+        if isinstance(self.splitting_ops, (str, bytes)) or not hasattr(self.splitting_ops, "__iter__"):
+            _fail("splitting_ops", f"expected a sequence of op names, got {self.splitting_ops!r}",
+                  'Write e.g. splitting_ops=("mylib::attention",)')
+        names = []
+        for op in self.splitting_ops:
+            try:
+                name = op_name(op)
+            except TypeError:
+                _fail("splitting_ops", f"{op!r} is neither an op name nor an op",
+                      'Write names like "mylib::attention"')
+            if not _OP_NAME.match(name):
+                _fail("splitting_ops", f"{name!r} is not of the form 'namespace::name[.overload]'",
+                      'Write e.g. "mylib::attention"')
+            resolve_op(name)
+            if name not in names:
+                names.append(name)
+        set_("splitting_ops", tuple(names))
+
+        set_("compile_sizes", tuple(sorted(set(_as_int_tuple("compile_sizes", self.compile_sizes)))))
+        points = _as_int_tuple("compile_ranges_split_points", self.compile_ranges_split_points)
+        if any(a >= b for a, b in zip(points, points[1:])):
+            _fail("compile_ranges_split_points", f"{points} is not strictly increasing",
+                  f"Sort them and drop duplicates: {tuple(sorted(set(points)))}")
+        set_("compile_ranges_split_points", points)
+
+        if not isinstance(self.inductor_options, Mapping):
+            _fail("inductor_options", f"expected a dict, got {type(self.inductor_options).__name__}",
+                  'Write e.g. inductor_options={"max_autotune": True}')
+        known = torch._inductor.config.get_config_copy()
+        for key in self.inductor_options:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), list(known), n=3)
+                _fail("inductor_options", f"{key!r} is not an Inductor config option",
+                      f"Did you mean {close}?" if close else "See torch._inductor.config for the options")
+        set_("inductor_options", MappingProxyType(dict(self.inductor_options)))
+
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            _fail("cache_dir", f"expected a path or None, got {self.cache_dir!r}",
+                  "Pass a directory path, or None to turn the disk cache off")
+        cache_dir = os.fspath(self.cache_dir) if self.cache_dir else None
+        set_("cache_dir", os.path.abspath(os.path.expanduser(cache_dir)) if cache_dir else None)
+        if self.debug_dump_dir is not None and not isinstance(self.debug_dump_dir, (str, os.PathLike)):
+            _fail("debug_dump_dir", f"expected a path or None, got {self.debug_dump_dir!r}",
+                  "Pass a directory path")
+        dump = os.fspath(self.debug_dump_dir) if self.debug_dump_dir else None
+        set_("debug_dump_dir", os.path.abspath(os.path.expanduser(dump)) if dump else None)
+
+        for flag in ("dedup", "cudagraph_check_addresses", "guard_free_dispatch"):
+            if not isinstance(getattr(self, flag), bool):
+                _fail(flag, f"expected True or False, got {getattr(self, flag)!r}", f"Write {flag}=True")
+        if self.progress_bar is not None and not isinstance(self.progress_bar, bool):
+            _fail("progress_bar", f"expected True, False or None, got {self.progress_bar!r}",
+                  "None shows bars only on a terminal")
+        if self.hop_split not in HOP_SPLIT_MODES:
+            _fail("hop_split", f"{self.hop_split!r} is not one of {HOP_SPLIT_MODES}", 'Write hop_split="inline"')
+
+        passes = self.post_grad_passes
+        if callable(passes) or isinstance(passes, (str, bytes)) or not hasattr(passes, "__iter__"):
+            _fail("post_grad_passes", f"expected a sequence of passes, got {passes!r}",
+                  "Write post_grad_passes=(my_pass,)")
+        passes = tuple(passes)
+        for p in passes:
+            if not callable(p):
+                _fail("post_grad_passes", f"{p!r} is not callable", "Each pass is called with the FX graph")
+        set_("post_grad_passes", passes)
+
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            _fail("cudagraph_mode", f"{self.cudagraph_mode!r} is not one of {CUDAGRAPH_MODES}",
+                  'Write cudagraph_mode="none" on CPU')
+        set_("cudagraph_capture_sizes",
+             tuple(sorted(set(_as_int_tuple("cudagraph_capture_sizes", self.cudagraph_capture_sizes)))))
+        if isinstance(self.cudagraph_num_warmup, bool) or not isinstance(self.cudagraph_num_warmup, int) \
+                or self.cudagraph_num_warmup < 0:
+            _fail("cudagraph_num_warmup", f"expected an int >= 0, got {self.cudagraph_num_warmup!r}",
+                  "Write cudagraph_num_warmup=1")
+
+    def compile_ranges(self) -> tuple[tuple[int, int | None], ...]:
+        """Bounded ranges [lo, hi) of the split points, then the unbounded last one (lo, None)."""
+        points = self.compile_ranges_split_points
+        if not points:
+            return ((1, None),)
+        bounds = (1,) + points if points[0] > 1 else points
+        return tuple(zip(bounds, bounds[1:])) + ((bounds[-1], None),)
+
+    def artifact_hash(self) -> str:
+        """Hash of the fields that change compiled code (not where files go or how often we dedup)."""
+        factors = {
+            "splitting_ops": list(self.splitting_ops),
+            "compile_ranges_split_points": list(self.compile_ranges_split_points),
+            "inductor_options": {str(k): repr(v) for k, v in sorted(self.inductor_options.items())},
+            "hop_split": self.hop_split,
+            # Pass identity also goes into every artifact key through PassManager.uuid().
+            "post_grad_passes": [_qualified_name(p) for p in self.post_grad_passes],
+        }
+        return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,35 @@
+"""Process-wide counters of what the backend did, for tests and for logs."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+
+@dataclasses.dataclass
+class BackendCounters:
+    graphs_seen: int = 0  # Dynamo graphs handed to the backend
+    pieces: int = 0  # compiled (non-splitting) pieces, over all graphs
+    unique_pieces: int = 0  # distinct piece graphs among them
+    splitting_op_calls: int = 0  # splitting-op nodes left to run eagerly between pieces
+    inlined_hops: int = 0  # HOP calls inlined because their body holds a splitting op
+    inductor_compiles: int = 0  # standalone_compile calls
+    cache_hits: int = 0  # variants loaded from the disk cache
+    cache_misses: int = 0  # variants looked for on disk and not found
+    cache_damaged: int = 0  # entries that failed the integrity check (then recompiled)
+    compile_seconds: float = 0.0  # wall time inside Inductor
+    load_seconds: float = 0.0  # wall time loading cached artifacts
+    # Inductor compiles per variant: "general", "size=8", "range=[1,16)".
+    compiles_by_variant: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def reset(self) -> None:
+        for field in dataclasses.fields(self):
+            value = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+            setattr(self, field.name, value)
+
+    def snapshot(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["compiles_by_variant"] = dict(self.compiles_by_variant)
+        return out
+
+
+counters = BackendCounters()

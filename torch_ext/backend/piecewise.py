@@ -1,0 +1,145 @@
+"""Per-piece runners: pick the compiled variant of a piece by the runtime size of the dynamic dim.
+
+A `CompiledPiece` stands for every piece with one fingerprint (identical layers share one), and is
+what the split graph calls. On each call it reads the dynamic size from one argument (an int
+SymInt input, or a dimension of a tensor input) and runs, in this order of preference:
+the variant compiled for exactly that size (CompileConfig.compile_sizes), the variant of the
+bounded range holding it (compile_ranges_split_points), or the general symbolic compile.
+Size and range variants are built at the first call that needs them.
+
+A size variant is specialized on every input shape, so it is used only when the dynamic dim is
+the piece's only symbol; a piece with other dynamic dims runs its range/general variants.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from torch_ext.backend.compiler import GENERAL, Variant
+
+log = logging.getLogger(__name__)
+
+_MAX_MEMO_SIZES = 4096  # runtime sizes remembered per piece (beyond: resolved on every call)
+
+
+def example_inputs_of(gm: fx.GraphModule) -> list[Any]:
+    return [n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def batch_symbol(gm: fx.GraphModule):
+    """The symbol of the dynamic dimension compile sizes refer to: dim 0 of the first input tensor
+    whose dim 0 is symbolic, else the first symbolic int input; None for a static graph."""
+    values = example_inputs_of(gm)
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and isinstance(v.shape[0], torch.SymInt):
+            expr = v.shape[0].node.expr
+            if expr.is_Symbol:
+                return expr
+    for v in values:
+        if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol:
+            return v.node.expr
+    return None
+
+
+def free_symbols(values: list[Any]) -> set:
+    out: set = set()
+
+    def add(x):
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            out.update(x.node.expr.free_symbols)
+
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            for x in (*v.shape, *v.stride(), v.storage_offset()):
+                add(x)
+        else:
+            add(v)
+    return out
+
+
+def size_locator(values: list[Any], symbol) -> tuple[int, int | None] | None:
+    """Where the runtime value of `symbol` can be read: (arg index, None) for an int argument,
+    (arg index, dim) for a tensor dimension; None if no input carries it."""
+    if symbol is None:
+        return None
+    for i, v in enumerate(values):
+        if isinstance(v, torch.SymInt) and v.node.expr == symbol:
+            return (i, None)
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            for d, s in enumerate(v.shape):
+                if isinstance(s, torch.SymInt) and s.node.expr == symbol:
+                    return (i, d)
+    return None
+
+
+class CompiledPiece:
+    """All pieces with one fingerprint; callable with the piece's arguments."""
+
+    def __init__(self, name: str, gm: fx.GraphModule, fingerprint: str, single_output: bool,
+                 symbol, group):
+        self.name = name
+        self.graph_module = gm  # output rewritten to a flat tuple; kept for lazy compiles
+        self.fingerprint = fingerprint
+        self.single_output = single_output
+        self.group = group  # PieceGroup: config, builder, store, progress bars
+        self.example_inputs = example_inputs_of(gm)
+        self.locator = size_locator(self.example_inputs, symbol)
+        self.size_specializable = self.locator is not None and free_symbols(self.example_inputs) == {symbol}
+        self.occurrences = 0
+        self.variants: dict[Variant, Callable] = {}
+        self._by_runtime_size: dict[int, Callable] = {}
+        self._general: Callable | None = None
+        self._warned_sizes = False
+
+    def eligible(self, variant: Variant) -> bool:
+        if variant.kind == "size":
+            return self.size_specializable
+        if variant.kind == "range":
+            return self.locator is not None
+        return True
+
+    def build(self, variant: Variant, args) -> Callable:
+        fn = self.variants.get(variant)
+        if fn is None:
+            fn = self.variants[variant] = self.group.build(self, variant, args)
+            if variant == GENERAL:
+                self._general = fn
+        return fn
+
+    def __call__(self, *args):
+        locator = self.locator
+        if locator is None:
+            fn = self._general
+        else:
+            index, dim = locator
+            n = args[index] if dim is None else args[index].shape[dim]
+            fn = self._by_runtime_size.get(n)
+            if fn is None:
+                fn = self._resolve(int(n), args)
+        out = fn(*args)
+        return out[0] if self.single_output else out
+
+    def _resolve(self, n: int, args) -> Callable:
+        config = self.group.config
+        variant = GENERAL
+        if n in config.compile_sizes:
+            if self.size_specializable:
+                variant = Variant("size", size=n)
+            elif not self._warned_sizes:
+                self._warned_sizes = True
+                log.info("torch_ext: piece %s has dynamic dims besides the batch dim; compile_sizes do not "
+                         "apply to it (it runs its range/general compile)", self.name)
+        if variant == GENERAL:
+            ranges = self.group.bounded_ranges
+            i = bisect.bisect_right(self.group.range_starts, n) - 1
+            if 0 <= i < len(ranges) and n < ranges[i][1]:
+                variant = Variant("range", lo=ranges[i][0], hi=ranges[i][1])
+        fn = self.build(variant, args) if variant != GENERAL else self._general
+        if len(self._by_runtime_size) < _MAX_MEMO_SIZES:
+            self._by_runtime_size[n] = fn
+        return fn
