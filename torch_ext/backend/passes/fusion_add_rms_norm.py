@@ -85,7 +85,8 @@ def _search_addmm(
     mat1: torch.Tensor, mat2: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ):
     # Inductor's own post-grad pattern folds `mm(a, b) + residual` into addmm when the sum has a
-    # non-pointwise user (always on CPU; on GPU e.g. when it leaves the piece as an output).
+    # non-pointwise user (always on CPU; on GPU e.g. when it leaves the piece as an output). The
+    # replacement splits it again, mm then add in the op: the rounding of the model's eager code.
     r = torch.addmm(residual, mat1, mat2)
     return r, _rms_norm(r, weight, eps)
 
