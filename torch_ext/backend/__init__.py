@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import sys
+
 from torch_ext.backend.backend import TorchExtBackend
 from torch_ext.backend.cache import UnsafeCacheDirError
 from torch_ext.backend.compiler import Variant, current_compile_variant
@@ -40,3 +42,14 @@ def torch_ext_backend(gm, example_inputs):
     if _default_backend is None:
         _default_backend = TorchExtBackend()
     return _default_backend(gm, example_inputs)
+
+
+class _CallableModule(type(sys)):
+    """`torch_ext.backend(cfg)` is `make_backend(cfg)`, also once this package is imported and
+    `torch_ext.backend` names the package itself."""
+
+    def __call__(self, config: CompileConfig | None = None) -> TorchExtBackend:
+        return make_backend(config)
+
+
+sys.modules[__name__].__class__ = _CallableModule
