@@ -216,3 +216,17 @@ def test_training_grads_match_eager():
     (out.sum() + res.square().sum()).backward()
     for got, want in zip(grads, [p.grad for p in model.parameters()] + [x.grad]):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_inductor_cuda_bf16_matches_eager():
+    model = Decoder(hidden=2048, dtype=torch.bfloat16).cuda()
+    x = torch.randn(8, 2048, dtype=torch.bfloat16, device="cuda")
+    patch, compiled = compile_with_fusion(model)
+    with torch.no_grad(), patch:
+        got = compiled(x)
+        want = model(x)
+    assert fused_count() == 2
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=5e-2, rtol=2e-2)
