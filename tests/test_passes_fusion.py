@@ -13,10 +13,11 @@ from torch_ext.hops.fused_add_rms_norm import fused_add_rms_norm_reference
 OP = torch.ops.torch_ext.fused_add_rms_norm.default
 
 
-def rms_norm(r, weight, eps):
+def rms_norm(r, weight, eps, weight_first=False):
     h = r.float()
     var = h.pow(2).mean(-1, keepdim=True)
-    return (h * torch.rsqrt(var + eps)).to(r.dtype) * weight
+    normed = (h * torch.rsqrt(var + eps)).to(r.dtype)
+    return weight * normed if weight_first else normed * weight
 
 
 def fused_count():
@@ -63,7 +64,7 @@ def _two_forms(x, residual, w1, w2, mat1, mat2, folded):
     # The form Inductor folds `mm + add` into. The replacement computes the product on its own and
     # adds it in the op: the eager rounding (`folded=False`), which a bf16 addmm does not share.
     r2 = torch.addmm(r1, mat1, mat2) if folded else mat1 @ mat2 + r1
-    y2 = rms_norm(r2, w2, 1e-5)
+    y2 = rms_norm(r2, w2, 1e-5, weight_first=True)  # HF Llama's order
     return y1, y2, r2
 
 

@@ -71,8 +71,11 @@ class Pass(CustomGraphPass):
         return f"{self.name}({args})"
 
 
+@functools.cache
 def source_hash(obj: Any) -> str:
-    """sha256 of the source of a module, class or function; a clear error when there is none."""
+    """sha256 of the source of a module, class or function; a clear error when there is none.
+
+    Read once per object: a file edited under a running process does not change its identity."""
     try:
         src = inspect.getsource(obj)
     except (OSError, TypeError) as e:
@@ -85,7 +88,6 @@ def source_hash(obj: Any) -> str:
 
 @functools.cache
 def _class_source_hash(cls: type) -> str:
-    # Cached per class object: sources do not change under a running class (a reload makes a new one).
     parts = [source_hash(c) for c in cls.__mro__ if isinstance(c, type) and issubclass(c, Pass)]
     seen: set[int] = set()
     for c in cls.__mro__:

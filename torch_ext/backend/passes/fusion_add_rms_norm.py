@@ -6,6 +6,7 @@ Matched in the post-grad graph (the model's code, as Dynamo and AOT autograd dec
     h = r.float()                      #   when r has a non-pointwise user (always on CPU)
     var = h.pow(2).mean(-1, keepdim=True)
     y = (h * torch.rsqrt(var + eps)).to(x.dtype) * weight      # outputs: r and y
+                                                               # (or weight * (...), as HF writes)
 
 for x, residual and weight of one dtype among `dtypes`, any eps, any leading shape. Inductor's
 pattern matcher finds it (patterns traced like Inductor's own replacements); `MultiOutputMatch`
@@ -43,6 +44,7 @@ kernels. Its saving is against unfused eager: 34T = 136 KiB * B per layer.
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -70,25 +72,30 @@ _EPS_PLACEHOLDER = 1.2345e-6
 aten = torch.ops.aten
 
 
-def _rms_norm(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(r: torch.Tensor, weight: torch.Tensor, eps: float, weight_first: bool):
     h = r.float()
     var = h.pow(2).mean(-1, keepdim=True)
-    return (h * torch.rsqrt(var + eps)).to(r.dtype) * weight
+    normed = (h * torch.rsqrt(var + eps)).to(r.dtype)
+    # Both orders occur (HF Llama writes `weight * normed`); the matcher knows no commutativity.
+    return weight * normed if weight_first else normed * weight
 
 
-def _search_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    r = x + residual
-    return r, _rms_norm(r, weight, eps)
+def _make_search(addmm: bool, weight_first: bool):
+    if addmm:
+        # Inductor's own post-grad pattern folds `mm(a, b) + residual` into addmm when the sum has
+        # a non-pointwise user (always on CPU; on GPU e.g. when it leaves the piece as an output).
+        # The replacement splits it again, mm then add in the op: the model's eager rounding.
+        def search(mat1, mat2, residual, weight, eps):
+            r = torch.addmm(residual, mat1, mat2)
+            return r, _rms_norm(r, weight, eps, weight_first)
 
+    else:
 
-def _search_addmm(
-    mat1: torch.Tensor, mat2: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-):
-    # Inductor's own post-grad pattern folds `mm(a, b) + residual` into addmm when the sum has a
-    # non-pointwise user (always on CPU; on GPU e.g. when it leaves the piece as an output). The
-    # replacement splits it again, mm then add in the op: the rounding of the model's eager code.
-    r = torch.addmm(residual, mat1, mat2)
-    return r, _rms_norm(r, weight, eps)
+        def search(x, residual, weight, eps):
+            r = x + residual
+            return r, _rms_norm(r, weight, eps, weight_first)
+
+    return search
 
 
 def _unused_replacement(*args):
@@ -238,14 +245,12 @@ class FuseAddRMSNormPass(Pass):
             a = torch.empty(4, 16, dtype=dtype)
             w = torch.empty(16, dtype=dtype)
             check = functools.partial(self._accept, dtype)
-            for search, inputs in (
-                (_search_add, [a, a.clone(), w]),
-                (_search_addmm, [a, torch.empty(16, 16, dtype=dtype), a.clone(), w]),
-            ):
+            for addmm, weight_first in itertools.product((False, True), (False, True)):
+                inputs = [a, torch.empty(16, 16, dtype=dtype)] if addmm else [a]
                 register_replacement(
-                    search,
+                    _make_search(addmm, weight_first),
                     _unused_replacement,
-                    inputs,
+                    [*inputs, a.clone(), w],
                     fwd_only,
                     patterns,
                     extra_check=check,

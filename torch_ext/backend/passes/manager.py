@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from torch_ext.backend.passes.base import Pass
+from torch_ext.backend.passes.base import Pass, source_hash
 
 __all__ = ["PassManager"]
 
@@ -67,6 +67,7 @@ class PassManager(CustomGraphPass):
 
     def uuid(self) -> str:
         key = {
+            "manager": source_hash(type(self)),  # how passes are run is part of the result too
             "compile_size": self.compile_size,
             "passes": [p.uuid() for p in self.applicable_passes()],
         }
