@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 __all__ = ["MultiOutputMatch"]
 
+_COMPUTE = object()  # insert(val=...) default: run the target on FakeTensors
+
 
 class MultiOutputMatch:
     """The nodes of one match and the tools to replace them.
@@ -84,17 +86,17 @@ class MultiOutputMatch:
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
         *,
-        val: Any = None,
+        val: Any = _COMPUTE,
     ) -> torch.fx.Node:
         """Insert `target(*args, **kwargs)` after the match (after earlier inserts, in order).
 
-        `meta["val"]` is `val` when given, else computed by running `target` on the FakeTensors of
+        `meta["val"]` is `val` when given (None included), else computed by running `target` on the FakeTensors of
         the node arguments under their fake mode.
         """
         if self._replaced:
             raise RuntimeError("this match was replaced already; make a new MultiOutputMatch")
         kwargs = dict(kwargs or {})
-        if val is None:
+        if val is _COMPUTE:
             val = _fake_run(target, args, kwargs)  # before touching the graph: may raise
         if self._cursor is None:
             self._cursor = self.last_node()
