@@ -32,7 +32,10 @@ def _key_repr(key: Any) -> str:
 
 
 def _children(vt: VariableTracker, attr_mutations: dict) -> Iterator[tuple[str, Any]]:
-    """(path suffix, child) pairs of one VT: its own fields, then attributes set during tracing."""
+    """(path suffix, child) pairs of one VT: attributes set during tracing first (they are what user
+    code reads, so they name the path), then the VT's own fields."""
+    for attr, value in attr_mutations.get(vt, {}).items():
+        yield f".{attr}", value
     for name, value in vars(vt).items():
         if name in vt._nonvar_fields:
             continue
@@ -47,8 +50,6 @@ def _children(vt: VariableTracker, attr_mutations: dict) -> Iterator[tuple[str, 
                 yield f".{field}", item
         else:
             yield f".{name}", value
-    for attr, value in attr_mutations.get(vt, {}).items():
-        yield f".{attr}", value
 
 
 def walk(tx, output: VariableTracker, root: str = "out") -> Iterator[Found]:

@@ -13,8 +13,10 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import sympy
 import torch
 import torch.fx
+from torch._dynamo.variables.lists import BaseListVariable
 from torch._dynamo.variables.tensor import SymNodeVariable, TensorVariable
 
 from torch_ext import compat
@@ -32,6 +34,9 @@ class Speculation:
     # One entry per subgraph output: every VT in the output structure that holds that value.
     output_vts: list[list[compat.VariableTracker]] = field(default_factory=list)
     example_value: tuple = ()
+    # SymInt VTs the body computed that are a symbol the caller's graph already binds: after the call
+    # they point at the caller's proxy for it instead of becoming outputs.
+    outer_symbols: list[tuple[compat.VariableTracker, torch.fx.Proxy]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -65,15 +70,33 @@ def _fail(opts: BodyOptions, found: Found, what: str, fix: str):
     )
 
 
-def _collect_outputs(tx, subtracer, output, opts: BodyOptions) -> list[list[Any]]:
-    """Group the body-computed tensor/SymInt VTs of `output` by graph node, in first-seen order."""
+def _outer_symbol_proxy(subtracer, vt):
+    """The caller's proxy for a SymInt that is exactly one symbol bound in the caller's graph."""
+    sym = vt.sym_num
+    if not isinstance(sym, torch.SymInt) or not isinstance(sym.node.expr, sympy.Symbol):
+        return None
+    proxy = subtracer.parent.bound_symbols.get(sym.node.expr)
+    if proxy is not None and not isinstance(proxy, torch.fx.Proxy):
+        proxy = proxy()  # a LazyProxy: materialize it in the caller's graph
+    return proxy
+
+
+def _collect_outputs(tx, subtracer, output, opts: BodyOptions):
+    """Group the body-computed tensor/SymInt VTs of `output` by graph node, in first-seen order;
+    also return the SymInt VTs that the caller can bind to a symbol it already has."""
     groups: dict[torch.fx.Node, list[Any]] = {}
+    outer_symbols = []
     for found in walk(tx, output):
         vt = found.vt
         if _is_graph_value(vt):
             proxy = vt.as_proxy()
             if proxy.tracer is not subtracer:
                 continue  # passthrough: an input or outer value, the caller already holds it
+            if isinstance(vt, SymNodeVariable):
+                outer = _outer_symbol_proxy(subtracer, vt)
+                if outer is not None:
+                    outer_symbols.append((vt, outer))
+                    continue
             if isinstance(vt, SymNodeVariable) and vt.python_type() is not int:
                 _fail(
                     opts,
@@ -82,10 +105,14 @@ def _collect_outputs(tx, subtracer, output, opts: BodyOptions) -> list[list[Any]
                     "Return a tensor (torch.tensor(value)) or an int instead.",
                 )
             groups.setdefault(proxy.node, []).append(vt)
+        elif isinstance(vt, BaseListVariable) and _unrepresentable(vt, subtracer):
+            # A torch.Size caches a proxy of the whole size; its items are walked on their own and
+            # the cache is rebuilt from them (now HOP outputs) when next needed.
+            vt.proxy = None
         elif _unrepresentable(vt, subtracer):
             _fail(opts, found, f"a traced {type(vt).__name__}", "Return tensors, or convert this value "
                   "to a tensor inside the body.")
-    return list(groups.values())
+    return list(groups.values()), outer_symbols
 
 
 def _explicit_inputs_first(graph: torch.fx.Graph, lifted: dict, explicit: list) -> dict:
@@ -149,7 +176,7 @@ def speculate(tx, source_target, fn_vt, args: list, kwargs: dict, opts: BodyOpti
         with body_ctx, compat.defer_outer_mutation_checks(tx):
             output = fn_vt.call_function(tx, list(args), dict(kwargs))
 
-        output_vts = _collect_outputs(tx, subtracer, output, opts)
+        output_vts, outer_symbols = _collect_outputs(tx, subtracer, output, opts)
         proxies = tuple(group[0].as_proxy() for group in output_vts)
         tx.output.create_node("output", "output", subtracer.create_arg((proxies,)), {})
         graph = subtracer.graph
@@ -160,4 +187,4 @@ def speculate(tx, source_target, fn_vt, args: list, kwargs: dict, opts: BodyOpti
         _check_aliasing_and_mutation(subtracer, graph, opts)
 
         example_value = tuple(p.node.meta["example_value"] for p in proxies)
-        return Speculation(output, graph, lifted, output_vts, example_value)
+        return Speculation(output, graph, lifted, output_vts, example_value, outer_symbols)

@@ -1,0 +1,54 @@
+"""Bugs of torch itself that torch_ext users meet, pinned with vanilla tensor-only programs.
+
+No torch_ext code is involved: each test shows torch's own result beside eager. They are strict
+xfails, so a torch release that fixes one turns its test red and we drop the workaround.
+"""
+import pytest
+import torch
+
+from torch_ext import compat
+
+
+@torch.compiler.nested_compile_region
+def sin_cos(x):
+    return torch.sin(x), torch.cos(x)
+
+
+def _grad_error(fn, backend):
+    x = torch.randn(4, requires_grad=True)
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(x)
+    (g_compiled,) = torch.autograd.grad(out.sum(), x)
+    (g_eager,) = torch.autograd.grad(fn(x).sum(), x)
+    return (g_compiled - g_eager).abs().max().item()
+
+
+def two_calls_product(x):
+    a, b = sin_cos(x)
+    a2, b2 = sin_cos(x * 2)
+    return (a + b) * (a2 + b2)
+
+
+def chained_calls(x):
+    a, b = sin_cos(x)
+    a2, b2 = sin_cos(a)
+    return (a + b) * (a2 + b2)
+
+
+@pytest.mark.xfail(strict=True, reason="torch: Inductor computes wrong gradients when a multi-output "
+                   "nested_compile_region is called twice and its outputs are multiplied")
+def test_inductor_reused_region_gradients():
+    assert _grad_error(two_calls_product, "inductor") < 1e-5
+
+
+@pytest.mark.xfail(compat.TORCH_VERSION < (2, 10), strict=True,
+                   reason="torch 2.9.1: aot_eager computes wrong gradients for chained region calls")
+def test_aot_eager_chained_region_gradients():
+    assert _grad_error(chained_calls, "aot_eager") < 1e-5
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="torch: invoke_subgraph's backward outside AOTAutograd (backend='eager') asserts "
+                   "'fake_mode should be enabled for HOPs'")
+def test_eager_backend_region_backward():
+    _grad_error(chained_calls, "eager")
