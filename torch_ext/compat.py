@@ -103,3 +103,39 @@ def python_constant_with_guards(vt) -> Any:
 def side_effect_stack(subtracer) -> Any:
     """Outer side effects recorded while tracing a body that was allowed to have them (2.13), else None."""
     return getattr(subtracer, "side_effect_stack", None)
+
+
+# --- local_map (torch 2.10+ ships the `local_map_hop` HOP and its VT; 2.9.1 has neither) ----------
+
+def torch_local_map_hop():
+    """torch's own `local_map_hop` HOP, or None where torch lacks it (2.9.1)."""
+    try:
+        from torch._higher_order_ops.local_map import local_map_hop
+    except ImportError:
+        return None
+    return local_map_hop
+
+
+# torch's local_map VT where it exists (ours extends it), else the wrap VT it derives from.
+LocalMapHigherOrderVariableBase = getattr(_hops, "LocalMapWrappedHigherOrderVariable", WrapHigherOrderVariable)
+
+
+def torch_local_map_autoparallel_enabled() -> bool:
+    """2.10+: `LocalMapWrappedHigherOrderVariable.enable()` turns on torch's own local_map tracing for
+    Autoparallel (plain tensors standing for global ones, bodies traced with local shapes)."""
+    return bool(getattr(LocalMapHigherOrderVariableBase, "_enabled", False))
+
+
+def builder_id_dispatch() -> dict:
+    """VariableBuilder's id(value) -> handler(builder, value) table, consulted before any other rule
+    when Dynamo wraps a Python value (same role on every version; functools.cache'd, never cleared)."""
+    from torch._dynamo.variables.builder import VariableBuilder
+
+    return VariableBuilder._id_dispatch()
+
+
+def user_function_variable(fn):
+    """A VT for a plain Python function that Dynamo inlines when called (no guard, no source)."""
+    from torch._dynamo.variables.functions import UserFunctionVariable
+
+    return UserFunctionVariable(fn)

@@ -2,7 +2,9 @@
 
 Dynamo picks a HOP's VT by name from one module-level table (and falls back to a module global for
 BaseHOPs without an entry). install() rebinds those entries; uninstall() puts back exactly what was
-there, absent entries included. Code Dynamo already compiled is not re-traced: install before
+there, absent entries included. For `local_map`, install() also maps torch's
+`_local_map_wrapped` to our VT in VariableBuilder's id table (torch 2.9.1 has no hook of its own),
+and uninstall() removes it again. Code Dynamo already compiled is not re-traced: install before
 compiling, or call torch._dynamo.reset().
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ _MISSING = object()
 _lock = threading.Lock()
 _saved: dict | None = None  # HOP name -> what the table held before install (or _MISSING)
 _saved_base_hop = None
+_saved_id_dispatch: dict | None = None  # id(obj) -> what VariableBuilder's id table held (or _MISSING)
 
 
 def is_installed() -> bool:
@@ -23,10 +26,11 @@ def is_installed() -> bool:
 
 
 def install() -> None:
-    """Trace wrap, checkpoint, nested_compile_region (invoke_subgraph) and BaseHOP bodies with wrap
-    semantics. Idempotent."""
-    global _saved, _saved_base_hop
+    """Trace wrap, checkpoint, nested_compile_region (invoke_subgraph), local_map and BaseHOP bodies
+    with wrap semantics. Idempotent."""
+    global _saved, _saved_base_hop, _saved_id_dispatch
     from torch_ext.variables import BASE_HOP_VARIABLE, HOP_VARIABLES
+    from torch_ext.variables.local_map import builder_id_dispatch_entries
 
     with _lock:
         if _saved is not None:
@@ -37,11 +41,15 @@ def install() -> None:
         _saved_base_hop = module.BaseHOPVariable
         table.update(HOP_VARIABLES)
         module.BaseHOPVariable = BASE_HOP_VARIABLE
+        id_table = compat.builder_id_dispatch()
+        entries = {id(obj): handler for obj, handler in builder_id_dispatch_entries().items()}
+        _saved_id_dispatch = {key: id_table.get(key, _MISSING) for key in entries}
+        id_table.update(entries)
 
 
 def uninstall() -> None:
     """Restore torch's own VTs exactly. A no-op when not installed."""
-    global _saved, _saved_base_hop
+    global _saved, _saved_base_hop, _saved_id_dispatch
     with _lock:
         if _saved is None:
             return
@@ -52,7 +60,13 @@ def uninstall() -> None:
             else:
                 table[name] = previous
         compat.hop_variables_module().BaseHOPVariable = _saved_base_hop
-        _saved, _saved_base_hop = None, None
+        id_table = compat.builder_id_dispatch()
+        for key, previous in (_saved_id_dispatch or {}).items():
+            if previous is _MISSING:
+                id_table.pop(key, None)
+            else:
+                id_table[key] = previous
+        _saved, _saved_base_hop, _saved_id_dispatch = None, None, None
 
 
 @contextlib.contextmanager

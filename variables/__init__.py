@@ -4,6 +4,7 @@ Importing this package changes nothing in Dynamo; `torch_ext.install()` register
 """
 from .checkpoint import CheckpointVariable
 from .invoke_subgraph import InvokeSubgraphVariable
+from .local_map import LocalMapVariable
 from .wrap import BaseHOPVariable, DynamoBypassingWrapperVariable, WrapVariable
 
 # HOP __name__ -> our VariableTracker, the keys of Dynamo's own table that we replace.
@@ -13,6 +14,7 @@ HOP_VARIABLES = {
     "wrap_activation_checkpoint": CheckpointVariable,
     "invoke_subgraph": InvokeSubgraphVariable,
     "dynamo_bypassing_wrapper": DynamoBypassingWrapperVariable,
+    "local_map_hop": LocalMapVariable,
 }
 
 # Dynamo's fallback for BaseHOPs that have no entry in the table.
@@ -26,4 +28,5 @@ __all__ = [
     "WrapVariable",
     "DynamoBypassingWrapperVariable",
     "BaseHOPVariable",
+    "LocalMapVariable",
 ]
