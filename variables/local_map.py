@@ -92,8 +92,32 @@ class LocalMapVariable(WrapSemanticsMixin, compat.LocalMapHigherOrderVariableBas
 
     def trace_local_body(self, tx, fn_vt, args, kwargs, options: dict):
         """Trace `fn_vt(*args, **kwargs)` (local tensors) into one local_map_hop call."""
-        spec, body_gmod, _, proxy_args = self.trace_body(tx, fn_vt, args, kwargs, subgraph_name="subgraph")
-        for outer in spec.lifted_freevars:
+        spec, body_gmod, _, proxy_args = self.trace_body(
+            tx, _LocalBodyFunction(fn_vt), args, kwargs, subgraph_name="subgraph"
+        )
+        # torch's key (torch 2.10+'s implementations read it). The HOP's operands are local tensors:
+        # gradient placements were applied by to_local() outside it, so the HOP itself has none.
+        body_gmod.meta["local_map_kwargs"] = {**options, "in_grad_placements": None}
+        return call_and_reproxify(tx, self.value, proxy_args, {}, spec)
+
+
+class _LocalBodyFunction(compat.VariableTracker):
+    """Runs the user's body inside the HOP's subtracer, then refuses tensor subclasses (DTensor) at
+    its boundary before anything else inspects the subgraph: the body runs on local tensors only."""
+
+    def __init__(self, fn_vt, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fn_vt = fn_vt
+
+    def python_type(self):
+        return self.fn_vt.python_type()
+
+    def call_function(self, tx, args, kwargs):
+        from .collect import walk
+
+        output = self.fn_vt.call_function(tx, args, kwargs)
+        tracer = tx.output.current_tracer
+        for outer in tracer.lifted_freevars:
             value = outer.node.meta.get("example_value")
             if _is_subclass_tensor(value):
                 _fail(
@@ -101,21 +125,21 @@ class LocalMapVariable(WrapSemanticsMixin, compat.LocalMapHigherOrderVariableBas
                     f"(`{outer.node.name}`, closed over or a module attribute); the body runs on local "
                     "tensors only.",
                     f"{type(value).__name__} {outer.node.name}",
-                    "Pass it to the local_map function as an argument with its placements, or use "
-                    "`.to_local()` of it.",
+                    "Pass it to the local_map function as an argument with its placements in "
+                    "in_placements (or call .to_local() before the local_map call and use that).",
                 )
-        for i, value in enumerate(spec.example_value):
+        for found in walk(tx, output):
+            proxy = getattr(found.vt, "proxy", None)
+            value = proxy.node.meta.get("example_value") if isinstance(proxy, torch.fx.Proxy) else None
             if _is_subclass_tensor(value):
                 _fail(
-                    f"the body returns a {type(value).__name__} (output {i}); it must return local tensors.",
-                    f"output {i}: {type(value).__name__}",
+                    f"the body returns a {type(value).__name__} at `{found.path}`; it must return "
+                    "local tensors.",
+                    f"{found.path}: {type(value).__name__}",
                     "Return the local tensor; local_map wraps tensor outputs into DTensors per "
                     "out_placements.",
                 )
-        # torch's key (torch 2.10+'s implementations read it). The HOP's operands are local tensors:
-        # gradient placements were applied by to_local() outside it, so the HOP itself has none.
-        body_gmod.meta["local_map_kwargs"] = {**options, "in_grad_placements": None}
-        return call_and_reproxify(tx, self.value, proxy_args, {}, spec)
+        return output
 
 
 class LocalMapBodyVariable(compat.VariableTracker):
