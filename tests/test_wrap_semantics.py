@@ -208,14 +208,3 @@ def test_body_mutating_outer_python_state_is_a_clear_error(installed):
 
     with pytest.raises(torch._dynamo.exc.Unsupported, match="[Mm]utat"):
         torch.compile(fn, backend="eager", fullgraph=True)(torch.randn(3))
-
-
-def test_symbolic_float_output_is_a_clear_error(installed):
-    def fn(x):
-        out = wrap(lambda t: P.Pair(t.sin(), t.size(0) / 2.0), x)
-        return out.a * out.b
-
-    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
-        torch.compile(fn, backend="eager", fullgraph=True, dynamic=True)(torch.randn(4))
-    msg = str(info.value)
-    assert "wrap" in msg and "out.b" in msg and "float" in msg

@@ -2,9 +2,11 @@
 
 Importing torch_ext patches nothing; `install()` does, and `uninstall()` undoes it exactly.
 """
+from torch_ext import config
 from torch_ext.install import install, installed, is_installed, uninstall
 
 __all__ = [
+    "config",
     "install",
     "uninstall",
     "installed",

@@ -18,6 +18,9 @@ TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")
 # 2.10 introduced wrap-semantics speculation in torch itself.
 TORCH_HAS_WRAP_SEMANTICS = hasattr(_hops, "speculate_subgraph_with_auto_output_flattening")
 
+# torch 2.9.1's invoke_subgraph autograd assumes every output is a tensor; 2.10+ also returns SymInts.
+INVOKE_SUBGRAPH_RETURNS_SYMINTS = TORCH_HAS_WRAP_SEMANTICS
+
 # torch's own VariableTrackers that ours extend (we keep their subgraph installation and naming).
 WrapHigherOrderVariable = _hops.WrapHigherOrderVariable
 CheckpointHigherOrderVariable = _hops.CheckpointHigherOrderVariable

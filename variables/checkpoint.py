@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch._dynamo.utils import proxy_args_kwargs
 
-from torch_ext import compat
+from torch_ext import compat, config
 
 from .base import WrapSemanticsMixin
 from .reproxify import call_and_reproxify
@@ -13,7 +13,7 @@ from .reproxify import call_and_reproxify
 class CheckpointVariable(WrapSemanticsMixin, compat.CheckpointHigherOrderVariable):
     def body_options(self, tx):
         opts = super().body_options(tx)
-        allow = compat.torch_allows_checkpoint_side_effects()
+        allow = config.checkpoint_side_effects or compat.torch_allows_checkpoint_side_effects()
         return type(opts)(**{**opts.__dict__, "checkpoint": True, "allow_side_effects": allow})
 
     def _call_function(self, tx, args, kwargs):

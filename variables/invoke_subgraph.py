@@ -18,6 +18,10 @@ class InvokeSubgraphVariable(WrapSemanticsMixin, compat.InvokeSubgraphHigherOrde
     supports_input_mutation = True
     supports_aliasing = False
 
+    def body_options(self, tx):
+        opts = super().body_options(tx)
+        return type(opts)(**{**opts.__dict__, "symint_outputs": compat.INVOKE_SUBGRAPH_RETURNS_SYMINTS})
+
     @compat.hard_error_on_graph_break(
         reason="torch.compile requires the `nested_compile_region` decorated function to be "
         "capturable into a single graph",

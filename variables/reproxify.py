@@ -23,6 +23,6 @@ def call_and_reproxify(tx, target, proxy_args: tuple, proxy_kwargs: dict, spec: 
     for group, result in zip(spec.output_vts, results.items, strict=True):
         for vt in group:
             vt.proxy = result.proxy
-    for vt, outer_proxy in spec.outer_symbols:
+    for vt, outer_proxy in spec.recomputed:
         vt.proxy = outer_proxy
     return spec.output

@@ -13,7 +13,6 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
-import sympy
 import torch
 import torch.fx
 from torch._dynamo.variables.lists import BaseListVariable
@@ -22,6 +21,7 @@ from torch._dynamo.variables.tensor import SymNodeVariable, TensorVariable
 from torch_ext import compat
 
 from .collect import Found, walk
+from .symbolic import recompute_in_caller
 
 
 @dataclass
@@ -31,12 +31,13 @@ class Speculation:
     output: compat.VariableTracker  # what Dynamo continues tracing with
     graph: torch.fx.Graph
     lifted_freevars: dict  # outer proxy -> subgraph placeholder proxy, in placeholder order
-    # One entry per subgraph output: every VT in the output structure that holds that value.
+    # One entry per subgraph output: every VT (in the output, or reached through outer side effects)
+    # that holds that value.
     output_vts: list[list[compat.VariableTracker]] = field(default_factory=list)
     example_value: tuple = ()
-    # SymInt VTs the body computed that are a symbol the caller's graph already binds: after the call
-    # they point at the caller's proxy for it instead of becoming outputs.
-    outer_symbols: list[tuple[compat.VariableTracker, torch.fx.Proxy]] = field(default_factory=list)
+    # Symbolic VTs the caller recomputes from sizes it has: after the call they point at these
+    # proxies of the caller's graph instead of at subgraph outputs.
+    recomputed: list[tuple[compat.VariableTracker, torch.fx.Proxy]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class BodyOptions:
     hop_name: str
     supports_input_mutation: bool = True
     supports_aliasing: bool = True
+    symint_outputs: bool = True  # the HOP can return SymInts (torch 2.9.1's invoke_subgraph cannot)
     checkpoint: bool = False  # body of an activation checkpoint
     allow_side_effects: bool = False  # body may mutate outer Python state (checkpoint opt-in)
 
@@ -70,54 +72,72 @@ def _fail(opts: BodyOptions, found: Found, what: str, fix: str):
     )
 
 
-def _outer_symbol_proxy(subtracer, vt):
-    """The caller's proxy for a SymInt that is exactly one symbol bound in the caller's graph."""
-    sym = vt.sym_num
-    if not isinstance(sym, torch.SymInt) or not isinstance(sym.node.expr, sympy.Symbol):
-        return None
-    proxy = subtracer.parent.bound_symbols.get(sym.node.expr)
-    if proxy is not None and not isinstance(proxy, torch.fx.Proxy):
-        proxy = proxy()  # a LazyProxy: materialize it in the caller's graph
-    return proxy
+def _side_effect_roots(tx) -> list[Found]:
+    """Where a body's outer side effects can leave tensors: objects with pending mutations
+    (list.append, attribute stores), and the callers' local variables (a local list that Dynamo
+    does not track as a side effect). Their body-computed tensors must become outputs too; tensors
+    the caller already had are passthrough, so unrelated objects add nothing."""
+    side_effects = tx.output.side_effects
+    roots = []
+    for vt in list(side_effects.id_to_variable.values()):
+        # Tensors are tracked there too (2.9.1); only containers and objects hold what was stored.
+        if not _is_graph_value(vt) and side_effects.is_modified(vt):
+            roots.append(Found(type(vt).__name__, vt))
+    frame = tx
+    while frame is not None:
+        name = frame.f_code.co_name
+        roots += [Found(f"{name}.{local}", vt) for local, vt in frame.symbolic_locals.items()]
+        frame = getattr(frame, "parent", None)
+    return roots
 
 
-def _collect_outputs(tx, subtracer, output, opts: BodyOptions):
-    """Group the body-computed tensor/SymInt VTs of `output` by graph node, in first-seen order;
-    also return the SymInt VTs that the caller can bind to a symbol it already has."""
-    groups: dict[torch.fx.Node, list[Any]] = {}
-    outer_symbols = []
-    for found in walk(tx, output):
-        vt = found.vt
-        if _is_graph_value(vt):
-            proxy = vt.as_proxy()
-            if proxy.tracer is not subtracer:
-                continue  # passthrough: an input or outer value, the caller already holds it
-            if isinstance(vt, SymNodeVariable):
-                outer = _outer_symbol_proxy(subtracer, vt)
-                if outer is not None:
-                    outer_symbols.append((vt, outer))
-                    continue
-            if isinstance(vt, SymNodeVariable) and vt.python_type() is not int:
-                _fail(
-                    opts,
-                    found,
-                    f"a symbolic {vt.python_type().__name__}",
-                    "Return a tensor (torch.tensor(value)) or an int instead.",
-                )
-            groups.setdefault(proxy.node, []).append(vt)
-        elif isinstance(vt, BaseListVariable) and _unrepresentable(vt, subtracer):
-            # A torch.Size caches a proxy of the whole size; its items are walked on their own and
-            # the cache is rebuilt from them (now HOP outputs) when next needed.
-            vt.proxy = None
-        elif _unrepresentable(vt, subtracer):
-            _fail(opts, found, f"a traced {type(vt).__name__}", "Return tensors, or convert this value "
-                  "to a tensor inside the body.")
-    return list(groups.values()), outer_symbols
+class _Outputs:
+    """Sorts the VTs reachable from the body's output into subgraph outputs and recomputed values."""
+
+    def __init__(self, tx, subtracer, opts: BodyOptions):
+        self.tx, self.subtracer, self.opts = tx, subtracer, opts
+        self.groups: dict[torch.fx.Node, list[Any]] = {}
+        self.symbolic: list[tuple[Found, torch.fx.Node]] = []
+
+    def add(self, root: Found) -> None:
+        for found in walk(self.tx, root.vt, root.path):
+            vt = found.vt
+            if _is_graph_value(vt):
+                proxy = vt.as_proxy()
+                if proxy.tracer is not self.subtracer:
+                    continue  # passthrough: an input or outer value, the caller already holds it
+                if isinstance(vt, SymNodeVariable):
+                    self.symbolic.append((found, proxy.node))
+                else:
+                    self.groups.setdefault(proxy.node, []).append(vt)
+            elif isinstance(vt, BaseListVariable) and _unrepresentable(vt, self.subtracer):
+                # A torch.Size caches a proxy of the whole size; its items are walked on their own
+                # and the cache is rebuilt from them (now caller values) when next needed.
+                vt.proxy = None
+            elif _unrepresentable(vt, self.subtracer):
+                _fail(self.opts, found, f"a traced {type(vt).__name__}",
+                      "Return tensors, or convert this value to a tensor inside the body.")
+
+    def resolve_symbolic(self, lifted_freevars: dict) -> list[tuple[Any, torch.fx.Proxy]]:
+        """Recompute symbolic values in the caller; a SymInt that cannot be becomes an output
+        where the HOP allows it."""
+        recomputed = []
+        for found, node in self.symbolic:
+            outer = recompute_in_caller(self.subtracer, lifted_freevars, node)
+            if outer is not None:
+                recomputed.append((found.vt, outer))
+            elif found.vt.python_type() is int and self.opts.symint_outputs:
+                self.groups.setdefault(node, []).append(found.vt)
+            else:
+                _fail(self.opts, found, f"a {found.vt.python_type().__name__} computed from tensor data",
+                      "Return the tensor and call .item() (or int()/float()) after the HOP call.")
+        return recomputed
 
 
 def _explicit_inputs_first(graph: torch.fx.Graph, lifted: dict, explicit: list) -> dict:
     """Reorder placeholders so the body's explicit arguments come first (in argument order) and
-    closed-over values and symbols after them; returns lifted_freevars in the new order."""
+    closed-over values and symbols after them; returns lifted_freevars in the new order, which is
+    the order of the HOP call's arguments."""
     by_outer_node = {outer.node: (outer, inner) for outer, inner in lifted.items()}
     first = []
     for arg in explicit:
@@ -125,12 +145,16 @@ def _explicit_inputs_first(graph: torch.fx.Graph, lifted: dict, explicit: list) 
         if entry is not None:
             first.append(entry)
     order = first + list(by_outer_node.values())
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    if [inner.node for _, inner in order] != placeholders:
-        anchor = placeholders[0]
-        for _, inner in order:
-            anchor.prepend(inner.node)
+    wanted = [inner.node for _, inner in order]
+    if wanted != [n for n in graph.nodes if n.op == "placeholder"]:
+        head = next(iter(graph.nodes))
+        if wanted[0] is not head:
+            head.prepend(wanted[0])
+        for prev, node in zip(wanted, wanted[1:]):
+            prev.append(node)
         graph.lint()
+    if wanted != [n for n in graph.nodes if n.op == "placeholder"]:
+        raise AssertionError(f"torch_ext: subgraph inputs {wanted} out of order")  # call args would be wrong
     return dict(order)
 
 
@@ -167,7 +191,8 @@ def speculate(tx, source_target, fn_vt, args: list, kwargs: dict, opts: BodyOpti
             list(kwargs.values()), subtracer, tx, "automatic", opts.hop_name
         )
         # Side effects are not rolled back: objects the body creates keep their attributes for the code
-        # after the call. Mutations of outer objects are still refused by Dynamo's scope check.
+        # after the call. Mutations of outer objects are refused by Dynamo's scope check unless the
+        # checkpoint side-effect opt-in is on.
         body_ctx = (
             compat.checkpoint_body_context(tx, opts.allow_side_effects)
             if opts.checkpoint
@@ -176,15 +201,21 @@ def speculate(tx, source_target, fn_vt, args: list, kwargs: dict, opts: BodyOpti
         with body_ctx, compat.defer_outer_mutation_checks(tx):
             output = fn_vt.call_function(tx, list(args), dict(kwargs))
 
-        output_vts, outer_symbols = _collect_outputs(tx, subtracer, output, opts)
+        outputs = _Outputs(tx, subtracer, opts)
+        outputs.add(Found("out", output))
+        if opts.allow_side_effects:
+            for root in _side_effect_roots(tx):
+                outputs.add(root)
+        explicit = [a.as_proxy() for a in args if _is_graph_value(a)]
+        lifted = _explicit_inputs_first(subtracer.graph, dict(subtracer.lifted_freevars), explicit)
+        recomputed = outputs.resolve_symbolic(lifted)
+
+        output_vts = list(outputs.groups.values())
         proxies = tuple(group[0].as_proxy() for group in output_vts)
         tx.output.create_node("output", "output", subtracer.create_arg((proxies,)), {})
         graph = subtracer.graph
         graph.lint()
-
-        explicit = [a.as_proxy() for a in args if _is_graph_value(a)]
-        lifted = _explicit_inputs_first(graph, dict(subtracer.lifted_freevars), explicit)
         _check_aliasing_and_mutation(subtracer, graph, opts)
 
         example_value = tuple(p.node.meta["example_value"] for p in proxies)
-        return Speculation(output, graph, lifted, output_vts, example_value, outer_symbols)
+        return Speculation(output, graph, lifted, output_vts, example_value, recomputed)
