@@ -42,14 +42,14 @@ def run_and_compare(model, compiled, sizes, *, seed=0):
             torch.testing.assert_close(c_actual, c_expected, atol=ATOL, rtol=RTOL, msg=f"KV cache at batch {n}")
 
 
-# Sizes in compile_sizes (4, 8), between them (6), below (3), above (16), and again.
-SIZES = [4, 8, 3, 6, 8, 4, 16]
+# Sizes in compile_sizes (4), below (3), above (6, 16), and again.
+SIZES = [4, 3, 6, 4, 16]
 
 
 @pytest.mark.parametrize("nested", [False, True], ids=["plain_layers", "nested_compile_region"])
 def test_decoder_matches_eager_and_compiles_each_unique_piece_once_per_size(nested):
     model = bm.Decoder(layers=3, nested=nested)
-    compiled = torch.compile(model, backend=make_backend(config(compile_sizes=[4, 8])))
+    compiled = torch.compile(model, backend=make_backend(config(compile_sizes=[4])))
     run_and_compare(model, compiled, SIZES)
 
     c = counters.snapshot()
@@ -59,7 +59,7 @@ def test_decoder_matches_eager_and_compiles_each_unique_piece_once_per_size(nest
     # embed+layer0 | layer0 tail+layer1 head | layer1 tail+layer2 head | layer2 tail+head:
     # the two middle pieces are the same graph and compile once.
     assert (c["pieces"], c["unique_pieces"]) == (4, 3)
-    assert c["compiles_by_variant"] == {"general": 3, "size=4": 3, "size=8": 3}
+    assert c["compiles_by_variant"] == {"general": 3, "size=4": 3}
 
 
 def test_compile_count_does_not_grow_with_depth():
@@ -81,7 +81,7 @@ def test_split_inside_nested_region_bodies_matches_eager():
     model = bm.Decoder(layers=3, nested=True)
     compiled = torch.compile(model, backend=make_backend(config(compile_sizes=[4], hop_split="in_body")))
     run_and_compare(model, compiled, [4, 5, 4])
-    # The shared body splits once into norm+qkv | attention | proj+mlp; embed and head stay outside
+    # The shared body splits once into norm+qkv | attention | proj+residual; embed and head stay outside
     # (and, being the same Linear on the same shapes, share one compile).
     assert counters.inlined_hops == 0
     assert counters.splitting_op_calls == 1
