@@ -31,7 +31,7 @@ def canonical_text(gm: fx.GraphModule) -> str:
     names: dict[fx.Node, str] = {}
     lines: list[str] = []
     storages: list[Any] = []
-    symbols: set = set()
+    symbols = _Symbols()
     for i, node in enumerate(gm.graph.nodes):
         name = names[node] = f"%{i}"
         fmt = lambda a: _format_arg(a, names)  # noqa: E731
@@ -50,7 +50,7 @@ def canonical_text(gm: fx.GraphModule) -> str:
             lines.append(f"{name} = module {_describe_attr(module)}({fmt(node.args)}, {fmt(node.kwargs)})")
         else:
             lines.append(f"{name} = {node.op} {target_name(node.target)}({fmt(node.args)}, {fmt(node.kwargs)})")
-    lines.extend(f"range {sym} {rng}" for sym, rng in sorted(_symbol_ranges(symbols)))
+    lines.extend(symbols.ranges())
     return "\n".join(lines)
 
 
@@ -58,9 +58,35 @@ def _example_value(node: fx.Node) -> Any:
     return node.meta.get("example_value", node.meta.get("val"))
 
 
-def describe_value(value: Any, symbols: set | None = None) -> str:
+class _Symbols:
+    """Renames shape symbols S0, S1, ... in order of appearance (Dynamo names them after their
+    source, so the same piece traced from differently named inputs gets other names)."""
+
+    def __init__(self):
+        self.canonical: dict[Any, Any] = {}
+        self.shape_envs: dict[Any, Any] = {}
+
+    def text(self, expr, shape_env) -> str:
+        import sympy
+
+        for sym in sorted(getattr(expr, "free_symbols", ()), key=str):
+            if sym not in self.canonical:
+                self.canonical[sym] = sympy.Symbol(f"S{len(self.canonical)}")
+                self.shape_envs[sym] = shape_env
+        return str(expr.xreplace(self.canonical)) if self.canonical else str(expr)
+
+    def ranges(self) -> list[str]:
+        out = []
+        for sym, name in self.canonical.items():
+            shape_env = self.shape_envs[sym]
+            rng = shape_env.var_to_range.get(sym) if shape_env is not None else None
+            out.append(f"range {name} " + (f"[{rng.lower}, {rng.upper}]" if rng is not None else "?"))
+        return out
+
+
+def describe_value(value: Any, symbols: _Symbols | None = None) -> str:
     if symbols is None:
-        symbols = set()
+        symbols = _Symbols()
     if isinstance(value, torch.Tensor):
         shape = ",".join(_sym_str(s, symbols) for s in value.shape)
         stride = ",".join(_sym_str(s, symbols) for s in value.stride())
@@ -74,20 +100,10 @@ def describe_value(value: Any, symbols: set | None = None) -> str:
     return f"opaque[{type(value).__module__}.{type(value).__qualname__}]"
 
 
-def _sym_str(value: Any, symbols: set) -> str:
+def _sym_str(value: Any, symbols: _Symbols) -> str:
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        expr = value.node.expr
-        symbols.update((s, value.node.shape_env) for s in getattr(expr, "free_symbols", ()))
-        return str(expr)
+        return symbols.text(value.node.expr, value.node.shape_env)
     return str(value)
-
-
-def _symbol_ranges(symbols: set) -> list[tuple[str, str]]:
-    out = []
-    for sym, shape_env in symbols:
-        rng = shape_env.var_to_range.get(sym) if shape_env is not None else None
-        out.append((str(sym), f"[{rng.lower}, {rng.upper}]" if rng is not None else "?"))
-    return sorted(set(out))
 
 
 def _alias_note(tensor: torch.Tensor, storages: list[Any]) -> str:

@@ -1,0 +1,117 @@
+"""Splitting and fingerprints on Dynamo graphs, without Inductor."""
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+
+import backend_models as bm
+from torch_ext.backend.fingerprint import graph_fingerprint
+from torch_ext.backend.split import SplitError, SplittingOpMatcher, split_graph
+
+MATCH = SplittingOpMatcher(("torch_ext_test::attention",))
+
+
+def dynamo_graph(model, *args, dynamic_batch=True) -> fx.GraphModule:
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    if dynamic_batch:
+        torch._dynamo.mark_dynamic(args[0], 0)
+    with torch.no_grad():
+        torch.compile(model, backend=capture, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    (gm,) = graphs
+    return gm
+
+
+def decoder_graph(layers=3, nested=False):
+    model = bm.Decoder(layers=layers, nested=nested)
+    return dynamo_graph(model, bm.batch(4), model.caches())
+
+
+def kinds(split):
+    return [p.kind for p in split.pieces]
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_split_alternates_compute_and_splitting_pieces(nested):
+    split = split_graph(decoder_graph(nested=nested), MATCH, "inline")
+    assert kinds(split) == ["compute", "splitting"] * 3 + ["compute"]
+    assert not any(isinstance(n.target, torch._ops.HigherOrderOperator) for n in split.split_gm.graph.nodes)
+    prints = [graph_fingerprint(p.graph_module) for p in split.compute_pieces()]
+    assert prints[1] == prints[2]  # the two middle pieces: the same code on differently named weights
+    assert len(set(prints)) == 3
+
+
+def test_in_body_split_keeps_one_shared_split_body():
+    split = split_graph(decoder_graph(nested=True), MATCH, "in_body")
+    assert kinds(split) == ["compute", "hop", "hop", "hop", "compute"]
+    bodies = {id(p.body) for p in split.pieces if p.kind == "hop"}
+    assert len(bodies) == 1  # three call sites, one body split once
+    body = split.pieces[1].body
+    assert kinds(body) == ["compute", "splitting", "compute"]
+    assert len(split.all_compute_pieces()) == 2 + 3 * 2
+
+
+def test_outputs_of_splitting_ops_are_unpacked_with_them():
+    @torch.library.custom_op("torch_ext_test::split_two", mutates_args=())
+    def split_two(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x + 1
+
+    split_two.register_fake(lambda x: (torch.empty_like(x), torch.empty_like(x)))
+
+    def f(x):
+        a, b = torch.ops.torch_ext_test.split_two(x.sin())
+        return a.cos() + b
+
+    gm = dynamo_graph(f, torch.randn(4, 3))
+    split = split_graph(gm, SplittingOpMatcher(("torch_ext_test::split_two",)), "inline")
+    assert kinds(split) == ["compute", "splitting", "compute"]
+    opaque = split.pieces[1].graph_module
+    assert [n.target for n in opaque.graph.nodes if n.op == "call_function"].count(operator.getitem) == 2
+    # Pieces never receive tuples: every piece input is a tensor or a size.
+    for piece in split.compute_pieces():
+        for node in piece.graph_module.graph.find_nodes(op="placeholder"):
+            assert isinstance(node.meta["example_value"], (torch.Tensor, torch.SymInt))
+
+
+def test_fingerprint_ignores_names_but_not_code_shapes_or_constants():
+    def f(x, w):
+        return torch.nn.functional.layer_norm(x @ w, (8,), eps=1e-5)
+
+    def g(y, v):
+        return torch.nn.functional.layer_norm(y @ v, (8,), eps=1e-5)
+
+    def h(x, w):
+        return torch.nn.functional.layer_norm(x @ w, (8,), eps=1e-6)
+
+    def fp(fn, dtype=torch.float32, dynamic_batch=True):
+        x, w = torch.randn(4, 8, dtype=dtype), torch.randn(8, 8, dtype=dtype)  # fresh: mark_dynamic sticks
+        return graph_fingerprint(dynamo_graph(fn, x, w, dynamic_batch=dynamic_batch))
+
+    assert fp(f) == fp(g)  # other names, other symbol names: same piece
+    assert fp(f) != fp(h)
+    assert fp(f) != fp(f, dynamic_batch=False)
+    assert fp(f) != fp(f, dtype=torch.float64)
+
+
+def test_splitting_op_inside_an_unsupported_hop_is_refused():
+    true_body = fx.symbolic_trace(lambda x: torch.ops.torch_ext_test.attention(x, x, x, x))
+    false_body = fx.symbolic_trace(lambda x: x.clone())
+    graph = fx.Graph()
+    root = torch.nn.Module()
+    root.true_graph, root.false_graph = true_body, false_body
+    pred, x = graph.placeholder("pred"), graph.placeholder("x")
+    cond = graph.call_function(torch.ops.higher_order.cond,
+                               (pred, graph.get_attr("true_graph"), graph.get_attr("false_graph"), (x,)))
+    graph.output(graph.call_function(operator.getitem, (cond, 0)))
+    gm = fx.GraphModule(root, graph)
+    with pytest.raises(SplitError, match=r"inside the body of the higher-order op 'cond'.*Move the splitting op"):
+        split_graph(gm, MATCH, "inline")
