@@ -136,7 +136,7 @@ def test_program_matches_eager(installed, mesh, name):
 
 
 def test_inductor_matches_eager(installed, mesh):
-    fn, inputs = user_object_beside_dtensor(mesh)
+    fn, inputs = dataclass_output(mesh)
     check_matches_eager(fn, *inputs, backends=("inductor",))
 
 
@@ -180,6 +180,31 @@ def test_module_parameter_gradients_match_eager(installed, mesh, backend):
 
     torch._dynamo.reset()
     torch.testing.assert_close(run(True), run(False))
+
+
+def test_local_map_inside_checkpoint_nests_the_hop(installed, mesh):
+    fn, inputs = dataclass_output(mesh)
+
+    def ckpt(x, w):
+        return torch.utils.checkpoint.checkpoint(fn, x, w, use_reentrant=False) * 3
+
+    (gm,) = check_matches_eager(ckpt, *inputs, backends=("aot_eager",))["aot_eager"].graphs
+    (ckpt_node,) = [n for n in gm.graph.nodes if n.op == "call_function" and "checkpoint" in str(n.target)]
+    assert len(_hop_nodes(getattr(gm, ckpt_node.args[0].target))) == 1
+
+
+def test_graph_break_in_the_body_falls_back_like_torch(installed, mesh):
+    def body(x, w):
+        y = x @ w
+        torch._dynamo.graph_break()
+        return Stats(y.sin(), y.sum(), 1.0)
+
+    lm = local_map(body, out_placements=None, in_placements=([Shard(0)], [Replicate()]), device_mesh=mesh)
+    x, w = _dtensor(mesh, (8, 4), [Shard(0)], 13), _dtensor(mesh, (4, 4), [Replicate()], 14)
+    with pytest.raises(compat.Unsupported, match="graph_break"):
+        torch.compile(lambda x, w: lm(x, w).y, backend="eager", fullgraph=True)(x, w)
+    results = check_matches_eager(lambda x, w: lm(x, w).y * 2, x, w, backends=("eager",), fullgraph=False)
+    assert not any(_hop_nodes(gm) for gm in results["eager"].graphs)
 
 
 # --- vanilla torch beside torch_ext ---------------------------------------------------------
@@ -252,11 +277,19 @@ def test_dtensor_closed_over_by_the_body_is_a_clear_error(installed, mesh):
         torch.compile(lambda x: lm(x), backend="eager", fullgraph=True)(x)
 
 
-def test_body_returning_a_view_of_its_input_is_a_clear_error(installed, mesh):
-    lm = local_map(lambda x: Stats(x.t(), x.sum(), 1.0), out_placements=None, in_placements=([Shard(0)],),
-                   device_mesh=mesh)
-    x = _dtensor(mesh, (8, 4), [Shard(0)], 10)
-    with pytest.raises(compat.Unsupported, match=r"local_map_hop(.|\n)*clone"):
+def _mutate_input(x):
+    x.mul_(2)
+    return Stats(x.sin(), x.sum(), 1.0)
+
+
+@pytest.mark.parametrize("body, fix", [
+    (lambda x: Stats(x.t(), x.sum(), 1.0), "clone"),  # an output that is a view of an input
+    (_mutate_input, "in place"),
+])
+def test_body_aliasing_or_mutating_an_input_is_a_clear_error(installed, mesh, body, fix):
+    lm = local_map(body, out_placements=None, in_placements=([Shard(0)],), device_mesh=mesh)
+    x = _dtensor(mesh, (8, 4), [Shard(0)], 10, requires_grad=False)
+    with pytest.raises(compat.Unsupported, match=rf"local_map_hop(.|\n)*{fix}"):
         torch.compile(lambda x: lm(x).y, backend="eager", fullgraph=True)(x)
 
 

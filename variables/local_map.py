@@ -73,9 +73,9 @@ class LocalMapVariable(WrapSemanticsMixin, compat.LocalMapHigherOrderVariableBas
     def _call_function(self, tx, args, kwargs):
         if compat.torch_local_map_autoparallel_enabled():
             return super()._call_function(tx, args, kwargs)  # torch's own Autoparallel tracing
-        if len(args) < len(_LOCAL_MAP_ARGS) or isinstance(args[0], torch.fx.GraphModule) or (
-            hasattr(args[0], "value") and isinstance(args[0].value, torch.fx.GraphModule)
-        ):
+        # A direct `local_map_hop(body_gm, *operands)` call passes a GraphModule, not local_map's
+        # six leading arguments.
+        if len(args) < len(_LOCAL_MAP_ARGS) or isinstance(getattr(args[0], "value", None), torch.fx.GraphModule):
             _fail(
                 "it is called directly; under torch.compile it is reached through local_map.",
                 f"{len(args)} positional arguments",
