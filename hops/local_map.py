@@ -17,8 +17,8 @@ and calling convention, with every implementation beside it:
 - functionalization: unwrap, run the functionalized body one level down, wrap (Dynamo refuses bodies
   that mutate or alias their inputs, so the body is functional at its boundary).
 - fake tensors: run the body on the fake operands.
-- proxy mode (make_fx below autograd, e.g. inference-only tracing): retrace the body into a subgraph
-  of the tracer's root and record one `local_map_hop` call.
+- proxy mode (make_fx below the Autograd key, e.g. under `torch._C._AutoDispatchBelowAutograd()`):
+  retrace the body into a subgraph of the tracer's root and record one `local_map_hop` call.
 
 The body's `meta["local_map_kwargs"]` describes the `local_map` call it came from (torch's key; torch
 2.10+'s implementations require it). Its operands are the *local* tensors: the DTensor <-> local
