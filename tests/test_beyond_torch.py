@@ -101,16 +101,42 @@ def view_of_input(x):
 @region
 def outputs_alias_each_other(x):
     y = x.sin()
-    return y, y.view(-1)
+    return y.view(-1), y, y[0].unsqueeze(0)
 
 
-@pytest.mark.parametrize("body", [view_of_input, outputs_alias_each_other])
-def test_region_view_outputs_get_a_clear_error(installed, body):
+def uses_view_of_input(x):
+    t, s = view_of_input(x)
+    return t.sum(0) * s.sum(1)
+
+
+def uses_outputs_alias_each_other(x):
+    flat, y, row = outputs_alias_each_other(x)
+    return flat.sum() * y + row
+
+
+@pytest.mark.parametrize("fn", [uses_view_of_input, uses_outputs_alias_each_other])
+def test_region_view_outputs_are_taken_in_the_caller(fn):
+    x = torch.randn(2, 3, requires_grad=True)
+    assert "alias" in _vanilla_error(fn, x)
+    with torch_ext.installed():
+        results = check_matches_eager(fn, x, backends=TRAIN_BACKENDS)
+        gm = check_matches_eager(lambda x: fn(x) + fn(x + 1), x, backends=("eager",),
+                                 check_grads=False)["eager"].graphs[0]
+    assert results["aot_eager"].frame_count == 1
+    assert_graph_snapshot(f"beyond_torch.{fn.__name__}", gm)
+
+
+@region
+def returns_mutated_input(x):
+    return x.add_(1), x.sin()
+
+
+def test_region_returning_an_in_place_result_gets_a_clear_error(installed):
     def fn(x):
-        a, b = body(x)
-        return a.sum() + b.sum()
+        a, b = returns_mutated_input(x)
+        return a * b
 
-    message = _vanilla_error(fn, torch.randn(2, 3))
+    message = _vanilla_error(fn, torch.randn(3))
     assert "invoke_subgraph" in message and ".clone()" in message and "alias" in message
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from torch_ext import compat
 
 from .speculate import Speculation
+from .symbolic import replay
 
 
 def call_and_reproxify(tx, target, proxy_args: tuple, proxy_kwargs: dict, spec: Speculation,
@@ -25,4 +26,12 @@ def call_and_reproxify(tx, target, proxy_args: tuple, proxy_kwargs: dict, spec: 
             vt.proxy = result.proxy
     for vt, outer_proxy in spec.recomputed:
         vt.proxy = outer_proxy
+    if spec.views_of_outputs:
+        # Body output node -> the HOP's result for it; views of outputs are taken on those.
+        (body_output,) = spec.graph.find_nodes(op="output")
+        results_of = {node: result.proxy for node, result in zip(body_output.args[0], results.items)}
+        for vts, plan in spec.views_of_outputs:
+            outer_proxy = replay(tx, plan, results_of, tx.output.current_tracer)
+            for vt in vts:
+                vt.proxy = outer_proxy
     return spec.output

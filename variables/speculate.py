@@ -21,7 +21,7 @@ from torch._dynamo.variables.tensor import SymNodeVariable, TensorVariable
 from torch_ext import compat
 
 from .collect import Found, walk
-from .symbolic import recompute_in_caller
+from .symbolic import inputs_of_caller, is_view, replay, replay_plan, storage_of
 
 
 @dataclass
@@ -35,9 +35,11 @@ class Speculation:
     # that holds that value.
     output_vts: list[list[compat.VariableTracker]] = field(default_factory=list)
     example_value: tuple = ()
-    # Symbolic VTs the caller recomputes from sizes it has: after the call they point at these
+    # VTs the caller recomputes itself (sizes, views of inputs): after the call they point at these
     # proxies of the caller's graph instead of at subgraph outputs.
     recomputed: list[tuple[compat.VariableTracker, torch.fx.Proxy]] = field(default_factory=list)
+    # Views of other outputs, taken on the HOP's results after the call: (VTs, body nodes to replay).
+    views_of_outputs: list[tuple[list[compat.VariableTracker], list[torch.fx.Node]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -121,17 +123,47 @@ class _Outputs:
     def resolve_symbolic(self, lifted_freevars: dict) -> list[tuple[Any, torch.fx.Proxy]]:
         """Recompute symbolic values in the caller; a SymInt that cannot be becomes an output
         where the HOP allows it."""
+        caller_inputs = inputs_of_caller(lifted_freevars)
         recomputed = []
         for found, node in self.symbolic:
-            outer = recompute_in_caller(self.subtracer, lifted_freevars, node)
-            if outer is not None:
-                recomputed.append((found.vt, outer))
+            plan = replay_plan(node, set(caller_inputs))
+            if plan is not None:
+                recomputed.append((found.vt, replay(self.tx, plan, caller_inputs, self.subtracer.parent)))
             elif found.vt.python_type() is int and self.opts.symint_outputs:
                 self.groups.setdefault(node, []).append(found.vt)
             else:
                 _fail(self.opts, found, f"a {found.vt.python_type().__name__} computed from tensor data",
                       "Return the tensor and call .item() (or int()/float()) after the HOP call.")
         return recomputed
+
+    def resolve_aliasing(self, lifted_freevars: dict):
+        """For HOPs whose outputs may not alias (invoke_subgraph): an output that is a view of an
+        input is taken in the caller before the call; a view of another output, on the HOP's output
+        after the call. Returns (recomputed before, [(vts, plan)] to replay after the call).
+        Aliasing that is not a plain view stays an output and fails the aliasing check."""
+        caller_inputs = inputs_of_caller(lifted_freevars)
+        input_storages = {storage_of(n) for n in caller_inputs} - {None}
+        before, after = [], []
+        output_storages = set()
+        # Bases before views, each in graph order: a view's plan then reads only nodes already kept.
+        order = {n: i for i, n in enumerate(self.subtracer.graph.nodes)}
+        for node in sorted(self.groups, key=lambda n: (is_view(n), order[n])):
+            storage = storage_of(node)
+            if storage is None:
+                continue
+            if storage in input_storages:
+                plan = replay_plan(node, set(caller_inputs))
+                if plan is not None:
+                    outer = replay(self.tx, plan, caller_inputs, self.subtracer.parent)
+                    before += [(vt, outer) for vt in self.groups.pop(node)]
+                    continue
+            elif storage in output_storages:
+                plan = replay_plan(node, set(self.groups) - {node})
+                if plan is not None:
+                    after.append((self.groups.pop(node), plan))
+                    continue
+            output_storages.add(storage)
+        return before, after
 
 
 def _explicit_inputs_first(graph: torch.fx.Graph, lifted: dict, explicit: list) -> dict:
@@ -209,6 +241,10 @@ def speculate(tx, source_target, fn_vt, args: list, kwargs: dict, opts: BodyOpti
         explicit = [a.as_proxy() for a in args if _is_graph_value(a)]
         lifted = _explicit_inputs_first(subtracer.graph, dict(subtracer.lifted_freevars), explicit)
         recomputed = outputs.resolve_symbolic(lifted)
+        views_of_outputs = []
+        if not opts.supports_aliasing:
+            views_of_inputs, views_of_outputs = outputs.resolve_aliasing(lifted)
+            recomputed += views_of_inputs
 
         output_vts = list(outputs.groups.values())
         proxies = tuple(group[0].as_proxy() for group in output_vts)
@@ -218,4 +254,4 @@ def speculate(tx, source_target, fn_vt, args: list, kwargs: dict, opts: BodyOpti
         _check_aliasing_and_mutation(subtracer, graph, opts)
 
         example_value = tuple(p.node.meta["example_value"] for p in proxies)
-        return Speculation(output, graph, lifted, output_vts, example_value, recomputed)
+        return Speculation(output, graph, lifted, output_vts, example_value, recomputed, views_of_outputs)
