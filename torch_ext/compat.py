@@ -142,3 +142,11 @@ def user_function_variable(fn):
     from torch._dynamo.variables.functions import UserFunctionVariable
 
     return UserFunctionVariable(fn)
+
+
+# --- CUDA graphs (backend/cudagraph.py) ----------------------------------------------------------
+
+def non_owning_storage(data_ptr: int, device: torch.device, nbytes: int):
+    """A storage over memory it does not own (torch's cudagraph trees use the same private helper,
+    present from 2.9.1 to 2.13): captured outputs kept this way let the graph pool reuse them."""
+    return torch._C._construct_storage_from_data_pointer(data_ptr, device, nbytes)

@@ -17,6 +17,7 @@ from torch_ext.backend import dump
 from torch_ext.backend.builder import PieceGroup, VariantBuilder
 from torch_ext.backend.cache import ArtifactStore, ensure_private_dir, model_key
 from torch_ext.backend.compiler import InductorCompiler
+from torch_ext.backend.cudagraph import CudaGraphManager
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.counters import counters
 from torch_ext.backend.piecewise import batch_symbol
@@ -32,6 +33,7 @@ class TorchExtBackend:
         self.config = config if config is not None else CompileConfig()
         self.matcher = SplittingOpMatcher(self.config.splitting_ops)
         self.builder = VariantBuilder(InductorCompiler(self.config))
+        self.cudagraphs = CudaGraphManager(self.config) if self.config.cudagraph_mode != "none" else None
         self._graphs = 0
         if self.config.cache_dir and os.path.exists(self.config.cache_dir):
             ensure_private_dir(self.config.cache_dir)  # refuse an unsafe directory early
@@ -52,6 +54,7 @@ class TorchExtBackend:
         store = self._store()
         group = PieceGroup(f"graph {index}", self.config, self.builder, store, batch_symbol(gm))
         split = split_graph(gm, self.matcher, self.config.hop_split)
+        graph_info = self.cudagraphs.prepare(gm, self.matcher, f"graph {index}") if self.cudagraphs else None
         self._install_runners(split, group, dumper)
         self._compile_general(group)
 
@@ -66,6 +69,8 @@ class TorchExtBackend:
             after["splitting_op_calls"] - before["splitting_op_calls"],
             after["inductor_compiles"] - before["inductor_compiles"],
             after["cache_hits"] - before["cache_hits"], time.perf_counter() - start)
+        if self.cudagraphs is not None:  # piecewise: wraps the pieces in place; full: wraps the split graph
+            return self.cudagraphs.wrap(split, graph_info)
         return split.split_gm
 
     def _store(self) -> ArtifactStore | None:

@@ -1,0 +1,116 @@
+"""Models and helpers shared by the CUDA-graph tests (CPU and GPU).
+
+`decode_attention` is a row-independent decode step: each row writes its k/v at `pos` of its own
+cache row and attends over positions 0..pos, so padding rows never change real rows (what
+cudagraph_mode="full" needs from its splitting ops). `SimulatedCudaGraphs` lets the CPU run every
+code path of the runner: a "graph" replays by re-running the region on the captured static inputs
+and writing the results into the captured output tensors, which is what a CUDA graph does with its
+fixed addresses.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from torch_ext.backend.cudagraph import CudaGraphManager, cudagraph_stats
+from torch_ext.hops.splitting_op import splitting_op
+
+HEADS, HEAD_DIM = 2, 8
+D_MODEL = HEADS * HEAD_DIM
+MAX_BATCH, MAX_POS = 64, 8
+
+
+@splitting_op("torch_ext_cg::decode_attention", mutates_args=("k_cache", "v_cache"),
+              fake=lambda q, k, v, k_cache, v_cache, pos: torch.empty_like(q))
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, pos: int) -> torch.Tensor:
+    """q, k, v: (n, heads, head_dim); caches: (max_batch, max_pos, heads, head_dim)."""
+    n = q.shape[0]
+    k_cache[:n, pos] = k
+    v_cache[:n, pos] = v
+    keys, values = k_cache[:n, : pos + 1], v_cache[:n, : pos + 1]
+    scores = torch.einsum("nhd,nthd->nht", q, keys) / math.sqrt(q.shape[-1])
+    return torch.einsum("nht,nthd->nhd", scores.softmax(-1), values)
+
+
+class Layer(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.o = nn.Linear(d, d)
+        self.norm2 = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, h, k_cache, v_cache, pos: int):
+        q, k, v = self.qkv(self.norm1(h)).view(h.shape[0], 3, HEADS, HEAD_DIM).unbind(1)
+        a = torch.ops.torch_ext_cg.decode_attention(q, k, v, k_cache, v_cache, pos)
+        h = h + self.o(a.reshape(h.shape[0], -1))
+        return h + self.down(torch.nn.functional.gelu(self.up(self.norm2(h))))
+
+
+class TinyDecoder(nn.Module):
+    def __init__(self, layers: int = 2, d: int = D_MODEL):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(d, d)
+        self.layers = nn.ModuleList(Layer(d) for _ in range(layers))
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], pos: int):
+        h = self.embed(x)
+        for layer, kc, vc in zip(self.layers, k_caches, v_caches):
+            h = layer(h, kc, vc, pos)
+        return self.head(h)
+
+    def caches(self, device="cpu", dtype=torch.float32):
+        shape = (MAX_BATCH, MAX_POS, HEADS, HEAD_DIM)
+        make = lambda: [torch.randn(shape, device=device, dtype=dtype) for _ in self.layers]  # noqa: E731
+        return make(), make()
+
+
+SPLITTING_OPS = ("torch_ext_cg::decode_attention",)
+
+
+class SimulatedGraph:
+    def __init__(self, fn, args, outs, single):
+        self.fn, self.args, self.outs, self.single = fn, args, outs, single
+
+    def replay(self):
+        with torch.no_grad():
+            new = self.fn(*self.args)
+        new = [new] if self.single else list(new)
+        for old, value in zip(self.outs, new):
+            if isinstance(old, torch.Tensor) and old is not value:
+                old.copy_(value)
+
+
+class SimulatedCudaGraphs(CudaGraphManager):
+    """A CudaGraphManager whose graphs are simulated on the CPU (see the module docstring).
+    Capturing runs the region once to learn its outputs, then restores every tensor input, since
+    a real capture records without running."""
+
+    def graphs_available(self) -> bool:
+        return True
+
+    def can_capture_on(self, device) -> bool:
+        return True
+
+    def capture(self, fn, args, device, name, size):
+        saved = {i: a.clone() for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+        out = fn(*args)
+        for i, value in saved.items():
+            args[i].copy_(value)
+        single = not isinstance(out, (tuple, list))
+        outs = [out] if single else list(out)
+        self.captured.append((name, size))
+        cudagraph_stats.captures += 1
+        cudagraph_stats.sizes.add(size)
+        return SimulatedGraph(fn, list(args), outs, single), out
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.captured: list = []

@@ -1,0 +1,298 @@
+"""CUDA-graph runner logic on the CPU: capture-size choice, padding and slicing, static inputs,
+in-place inputs, address checks, one-call capture order, refusals. Graphs are simulated
+(cudagraph_models.SimulatedCudaGraphs); pieces run as FX graphs unless a test asks for Inductor."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraph_models as cm
+from torch_ext.backend import CompileConfig, make_backend
+from torch_ext.backend.cudagraph import (
+    CudaGraphAddressError,
+    CudaGraphBufferMutationError,
+    capture_sizes,
+    cudagraph_stats,
+    padded_size,
+    written_placeholders,
+)
+
+SIZES = (2, 4, 8)
+
+
+@pytest.fixture(autouse=True)
+def fresh_stats():
+    cudagraph_stats.reset()
+    yield
+
+
+@pytest.fixture
+def fx_pieces(monkeypatch):
+    """Run pieces as their FX graphs: the runner's logic does not depend on Inductor, and the CPU is slow."""
+    from torch_ext.backend.compiler import InductorCompiler
+
+    monkeypatch.setattr(InductorCompiler, "compile", lambda self, gm, example_inputs, variant, name="": gm)
+
+
+def backend(mode="piecewise", simulated=True, **kwargs):
+    kwargs.setdefault("cudagraph_capture_sizes", SIZES)
+    cfg = CompileConfig(splitting_ops=cm.SPLITTING_OPS, cache_dir=None, cudagraph_mode=mode, **kwargs)
+    be = make_backend(cfg)
+    if simulated:
+        be.cudagraphs = cm.SimulatedCudaGraphs(cfg)
+    return be
+
+
+def run_against_eager(model, compiled, sizes, *, full_cache=True, pos=3, grad=False, seed=0):
+    """Eager and compiled on the same inputs, each with its own copy of the caches; outputs (and
+    caches: all of them, or the rows of the batch in full mode) must agree."""
+    ek, ev = model.caches()
+    ck, cv = [t.clone() for t in ek], [t.clone() for t in ev]
+    torch.manual_seed(seed)
+    for i, n in enumerate(sizes):
+        x = torch.randn(n, cm.D_MODEL)
+        if i == 0:
+            torch._dynamo.mark_dynamic(x, 0)
+        with torch.set_grad_enabled(grad):
+            expected = model(x, ek, ev, pos)
+            actual = compiled(x, ck, cv, pos)
+        assert actual.shape == expected.shape
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=f"output at batch {n}")
+        for a, e in zip(ck + cv, ek + ev):
+            torch.testing.assert_close(a if full_cache else a[:n], e if full_cache else e[:n],
+                                       msg=f"KV cache at batch {n}")
+    return ck, cv
+
+
+# -- pure logic --------------------------------------------------------------------------------
+
+
+def test_padded_size_is_the_next_capture_size():
+    sizes = (1, 2, 4, 8, 16)
+    assert [padded_size(n, sizes) for n in (1, 2, 3, 4, 5, 9, 16, 17, 1000)] == [1, 2, 4, 4, 8, 16, 16, None, None]
+    assert padded_size(1, ()) is None
+
+
+def _graph_of(fn, *args):
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    return graphs[0]
+
+
+def test_written_placeholders_sees_views_methods_setitem_and_op_schemas():
+    def f(x, cache, out, y, kc, vc):
+        cache[: x.shape[0]].copy_(x)  # through a view
+        out[0] = 1.0  # setitem
+        y.add_(1)  # in-place method
+        q = x.view(x.shape[0], cm.HEADS, cm.HEAD_DIM)
+        torch.ops.torch_ext_cg.decode_attention(q, q, q, kc, vc, 0)  # mutates_args of a custom op
+        return x * 2
+
+    x, cache, out, y = torch.randn(2, cm.D_MODEL), torch.zeros(4, cm.D_MODEL), torch.zeros(3), torch.zeros(3)
+    kc, vc = cm.TinyDecoder(1).caches()
+    gm = _graph_of(f, x, cache, out, y, kc[0], vc[0])
+    written = written_placeholders(gm)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    assert sorted(names[i] for i in written) == sorted(["l_cache_", "l_out_", "l_y_", "l_kc_", "l_vc_"])
+    # Without the splitting op, the caches are no longer written.
+    skip = lambda node: node.op == "call_function" and "decode_attention" in str(node.target)  # noqa: E731
+    assert sorted(names[i] for i in written_placeholders(gm, skip)) == ["l_cache_", "l_out_", "l_y_"]
+
+
+def test_capture_sizes_runs_the_largest_first_warmups_plus_capture():
+    calls = []
+    cfg = CompileConfig(cache_dir=None, cudagraph_capture_sizes=(1, 8, 4), cudagraph_num_warmup=2,
+                        progress_bar=False)
+    capture_sizes(calls.append, cfg)
+    assert calls == [8, 8, 8, 4, 4, 4, 1, 1, 1]
+
+
+# -- piecewise, simulated graphs -----------------------------------------------------------------
+
+
+def test_piecewise_pads_replays_and_slices_back_like_eager(fx_pieces):
+    model = cm.TinyDecoder(layers=3)
+    be = backend()
+    compiled = torch.compile(model, backend=be)
+    # 3 and 5 pad to 4 and 8; 8 is exact; 9 is above every capture size; 6 reuses the graph for 8.
+    run_against_eager(model, compiled, [5, 3, 5, 3, 8, 9, 6, 7, 4, 2, 2])
+    captured = be.cudagraphs.captured
+    # 4 pieces (embed+layer0 head, 2 middle, tail+head) per size, captured at each size's 2nd call.
+    assert [size for _, size in captured] == [8] * 4 + [4] * 4 + [2] * 4
+    assert cudagraph_stats.replays > 0 and cudagraph_stats.uncaptured_runs > 0
+
+
+def test_every_piece_of_a_size_captures_in_the_same_forward_call(fx_pieces):
+    model = cm.TinyDecoder(layers=2)
+    be = backend(cudagraph_num_warmup=2)
+    compiled = torch.compile(model, backend=be)
+    ek, ev = model.caches()
+    seen = []
+    for i, n in enumerate([7, 3, 7, 8, 6, 7]):
+        x = torch.randn(n, cm.D_MODEL)
+        if i == 0:
+            torch._dynamo.mark_dynamic(x, 0)
+        with torch.no_grad():
+            compiled(x, ek, ev, 1)
+        seen.append(len(be.cudagraphs.captured))
+    # Size 8: calls 1, 3 warm up, call 4 captures all three pieces at once; 3 never reaches 3 calls.
+    assert seen == [0, 0, 0, 3, 3, 3]
+
+
+def test_residual_stream_is_read_in_place_and_attention_output_copied(fx_pieces):
+    model = cm.TinyDecoder(layers=3)
+    be = backend()
+    run_against_eager(model, torch.compile(model, backend=be), [5, 5, 5, 6])
+    middle = [r for r in be.cudagraphs.runners() if r.name.endswith(("submod_2", "submod_4"))]
+    assert len(middle) == 2
+    for runner in middle:
+        entry = runner._entries[8]
+        # Inputs: the attention output (from the eager splitting op: copied) and the residual
+        # stream (the previous graph's output: read where it is); weights read in place.
+        copied = {runner.inputs[i].name for i in entry.buffers}
+        reused = {runner.inputs[i].name for i in entry.reused}
+        assert len(copied) == 1 and len(reused) == 1, (copied, reused)
+
+
+def test_outputs_that_leave_the_graph_stay_owned(fx_pieces):
+    model = cm.TinyDecoder(layers=2)
+    be = backend()
+    run_against_eager(model, torch.compile(model, backend=be), [3, 3, 3])
+    last = [r for r in be.cudagraphs.runners() if r.keep]
+    assert len(last) == 1 and last[0].keep == {0}
+    entry = last[0]._entries[4]
+    # Owned: the caching allocator knows its memory (a non-owning view would not count in it).
+    assert entry.outputs[0].untyped_storage().data_ptr() == entry.outputs[0].data_ptr() - \
+        entry.outputs[0].storage_offset() * entry.outputs[0].element_size()
+    first = [r for r in be.cudagraphs.runners() if not r.keep][0]
+    assert len(first._entries[4].outputs) == 4  # q, k, v and the residual: all non-owning
+
+
+def test_calls_recording_autograd_run_without_graphs(fx_pieces):
+    model = cm.TinyDecoder(layers=2)
+    be = backend()
+    run_against_eager(model, torch.compile(model, backend=be), [3, 3, 3], grad=True)
+    assert be.cudagraphs.captured == []
+
+
+# -- full mode --------------------------------------------------------------------------------
+
+
+def test_full_mode_pads_the_whole_graph_and_matches_eager_rows(fx_pieces):
+    model = cm.TinyDecoder(layers=2)
+    be = backend("full")
+    compiled = torch.compile(model, backend=be)
+    # Padding rows go through the splitting op too: cache rows past the batch may differ.
+    run_against_eager(model, compiled, [5, 3, 5, 3, 5, 8, 9, 7], full_cache=False)
+    assert [size for _, size in be.cudagraphs.captured] == [8, 4]
+    (runner,) = be.cudagraphs.runners()
+    roles = {spec.name: spec.role for spec in runner.inputs if spec.kind == "tensor"}
+    assert roles["l_x_"] == "copied"
+    assert roles["l_k_caches_0_"] == "pinned"  # written in place by the graph: read where it is
+    assert roles["l_self_modules_head_parameters_weight_"] == "static"
+
+
+def test_full_mode_moved_cache_is_a_clear_error(fx_pieces):
+    model = cm.TinyDecoder(layers=2)
+    compiled = torch.compile(model, backend=backend("full"))
+    ck, cv = run_against_eager(model, compiled, [3, 3, 3], full_cache=False)
+    with pytest.raises(CudaGraphAddressError, match=r"input \d+ 'l_k_caches_0_' was at 0x[0-9a-f]+ when the graph was "
+                                                    r"captured and is now at 0x[0-9a-f]+.*in place"):
+        with torch.no_grad():
+            compiled(torch.randn(3, cm.D_MODEL), [t.clone() for t in ck], cv, 3)
+
+
+def test_check_addresses_catches_a_replaced_parameter(fx_pieces):
+    model = cm.TinyDecoder(layers=2)
+    compiled = torch.compile(model, backend=backend(cudagraph_check_addresses=True))
+    ck, cv = run_against_eager(model, compiled, [3, 3, 3])
+    with torch.no_grad():
+        model.head.weight.data = model.head.weight.data.clone()
+    with pytest.raises(CudaGraphAddressError, match="parameters_weight_.*a parameter or buffer"):
+        with torch.no_grad():
+            compiled(torch.randn(3, cm.D_MODEL), ck, cv, 3)
+
+
+# -- regions we do not pad or capture ----------------------------------------------------------
+
+
+class WritesScratch(nn.Module):
+    """Writes rows of a user tensor without the batch dim in compiled code (not a splitting op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = cm.TinyDecoder(layers=1)
+
+    def forward(self, x, k_caches, v_caches, pos, scratch):
+        out = self.inner(x, k_caches, v_caches, pos)
+        scratch[: out.shape[0]] = out * 2
+        return out + 1
+
+
+def test_region_writing_a_tensor_without_the_batch_dim_is_captured_only_at_exact_sizes(fx_pieces):
+    model = WritesScratch()
+    be = backend()
+    compiled = torch.compile(model, backend=be)
+    ek, ev = model.inner.caches()
+    ck, cv = [t.clone() for t in ek], [t.clone() for t in ev]
+    es, cs = torch.zeros(16, cm.D_MODEL), torch.zeros(16, cm.D_MODEL)
+    # The group captures size 4 at the 2nd call, at exact size: the tail is captured with the rest;
+    # batch 3 later replays the other pieces padded to 4, while the tail runs at 3 without a graph.
+    for i, n in enumerate([4, 4, 4, 3, 3]):
+        x = torch.randn(n, cm.D_MODEL)
+        if i == 0:
+            torch._dynamo.mark_dynamic(x, 0)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x, ck, cv, 2, cs), model(x, ek, ev, 2, es))
+        torch.testing.assert_close(cs, es)  # padding rows never reach the scratch tensor
+    (tail,) = [r for r in be.cudagraphs.runners() if r.exact_only]
+    assert list(tail._entries) == [4] and tail._entries[4].graph is not None
+    assert tail._plans[3].graph is None
+    assert [size for _, size in be.cudagraphs.captured] == [4, 4]
+
+
+class MutatesBuffer(cm.TinyDecoder):
+    def __init__(self):
+        super().__init__(layers=1)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x, k_caches, v_caches, pos):
+        self.steps.add_(1)
+        return super().forward(x, k_caches, v_caches, pos)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_in_place_update_of_a_module_buffer_is_refused_with_its_source_line(fx_pieces, mode):
+    model = MutatesBuffer()
+    compiled = torch.compile(model, backend=backend(mode))
+    with pytest.raises(Exception, match=r"(?s)mutates the module buffer 'l_self_buffers_steps_'.*self\.steps\.add_\(1\)"):
+        run_against_eager(model, compiled, [3])
+
+
+def test_without_cuda_the_pieces_run_without_graphs_and_warn_once(fx_pieces):
+    model = cm.TinyDecoder(layers=2)
+    compiled = torch.compile(model, backend=backend(simulated=False))
+    with pytest.warns(UserWarning, match="without CUDA graphs") as record:
+        run_against_eager(model, compiled, [3, 5, 3, 3, 8])
+    assert len([w for w in record if "CUDA graphs" in str(w.message)]) == 1
+    assert cudagraph_stats.captures == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_against_eager(model, compiled, [3])
+
+
+@pytest.mark.slow
+def test_piecewise_over_inductor_pieces_matches_eager():
+    """Static buffers have the strides Inductor compiled the pieces for."""
+    model = cm.TinyDecoder(layers=2)
+    be = backend(compile_sizes=(4,))
+    run_against_eager(model, torch.compile(model, backend=be), [3, 3, 3, 4, 2, 9])
+    assert [size for _, size in be.cudagraphs.captured] == [4] * 3
