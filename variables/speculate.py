@@ -206,8 +206,8 @@ def _check_aliasing_and_mutation(subtracer, graph, opts: BodyOptions) -> None:
             compat.unimplemented(
                 gb_type=f"torch_ext: {opts.hop_name} body output aliases an input or another output",
                 context=f"{info.msg} in\n{graph}",
-                explanation=f"{opts.hop_name} is not inlined before autograd, so an output may not be a view "
-                "of an input or of another output. Returning an input unchanged is fine.",
+                explanation=f"An output of {opts.hop_name} may not alias its inputs or its other outputs. "
+                "Returning an input unchanged, or a plain view of one (taken in the caller), is fine.",
                 hints=["Return `.clone()` of the view (or compute the view after the region call)."],
             )
 
