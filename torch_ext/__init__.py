@@ -13,6 +13,7 @@ __all__ = [
     "is_installed",
     "CompileConfig",
     "backend",
+    "compile",
 ]
 
 
@@ -22,4 +23,8 @@ def __getattr__(name):
         from torch_ext import backend as _backend_pkg
 
         return getattr(_backend_pkg, "CompileConfig" if name == "CompileConfig" else "make_backend")
+    if name == "compile":  # torch.compile with the torch_ext backend (guard-free dispatch if configured)
+        from torch_ext.backend.dispatch import compile
+
+        return compile
     raise AttributeError(f"module 'torch_ext' has no attribute {name!r}")

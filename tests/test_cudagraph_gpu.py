@@ -1,0 +1,107 @@
+"""CUDA graphs on a GPU (run through the device tool: `bash bench/gpu_check.sh`); skipped without CUDA."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import cudagraph_models as cm
+import torch_ext.backend.dispatch
+from torch_ext.backend import CompileConfig, make_backend
+from torch_ext.backend.cudagraph import CudaGraphBufferMutationError, capture_sizes, cudagraph_stats
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+CAPTURE = (1, 2, 4, 8, 16, 24, 32, 48)
+POS = cm.MAX_POS - 1  # every step writes this position, then reads 0..POS
+
+
+def config(mode, **kwargs) -> CompileConfig:
+    return CompileConfig(splitting_ops=cm.SPLITTING_OPS, cache_dir=None, cudagraph_mode=mode,
+                         cudagraph_capture_sizes=CAPTURE, progress_bar=False, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    torch._dynamo.reset()
+    cudagraph_stats.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_replays_equal_uncaptured_runs_for_200_random_batch_sizes(mode):
+    model = cm.TinyDecoder(layers=3).cuda()
+    graphs = torch.compile(model, backend=make_backend(config(mode)))
+    plain = torch.compile(model, backend=make_backend(config("none")))
+    gk, gv = model.caches("cuda")
+    pk, pv = [t.clone() for t in gk], [t.clone() for t in gv]
+    rng = random.Random(0)
+    sizes = [17] + [rng.randint(1, cm.MAX_BATCH) for _ in range(200)]
+    for i, n in enumerate(sizes):
+        x = torch.randn(n, cm.D_MODEL, device="cuda")
+        if i == 0:
+            torch._dynamo.mark_dynamic(x, 0)
+        with torch.no_grad():
+            actual = graphs(x, gk, gv, POS).clone()  # the next replay overwrites graph outputs
+            expected = plain(x, pk, pv, POS)
+        assert actual.shape == (n, cm.D_MODEL)
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=f"call {i}, batch {n}")
+        for a, e in zip(gk + gv, pk + pv):
+            # Full mode pads the splitting op too: rows past the batch may hold padding writes.
+            torch.testing.assert_close(a if mode == "piecewise" else a[:n], e if mode == "piecewise" else e[:n])
+    assert cudagraph_stats.replays > 100, cudagraph_stats
+    assert len(cudagraph_stats.sizes) >= len(CAPTURE) - 1
+
+
+def test_guard_free_dispatch_with_cuda_graphs_serves_batch_one_from_the_symbolic_graph():
+    model = cm.TinyDecoder(layers=2).cuda()
+    compiled = torch_ext.backend.dispatch.compile(model, config("piecewise", guard_free_dispatch=True))
+    gk, gv = model.caches("cuda")
+    ek, ev = [t.clone() for t in gk], [t.clone() for t in gv]
+    for i, n in enumerate([8, 1, 1, 1, 3, 3, 3]):
+        x = torch.randn(n, cm.D_MODEL, device="cuda")
+        if i == 0:
+            torch._dynamo.mark_dynamic(x, 0)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x, gk, gv, POS), model(x, ek, ev, POS), atol=1e-4, rtol=1e-4)
+    assert compiled.calls == 1 and {1, 4} <= cudagraph_stats.sizes
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_buffer_mutation_is_refused(mode):
+    from test_cudagraph import MutatesBuffer
+
+    model = MutatesBuffer().cuda()
+    k, v = model.caches("cuda")
+    x = torch.randn(3, cm.D_MODEL, device="cuda")
+    torch._dynamo.mark_dynamic(x, 0)
+    with pytest.raises(Exception, match=r"(?s)mutates the module buffer.*self\.steps\.add_"):
+        with torch.no_grad():
+            torch.compile(model, backend=make_backend(config(mode)))(x, k, v, POS)
+
+
+def test_pool_is_shared_and_only_escaping_outputs_stay_allocated():
+    model = cm.TinyDecoder(layers=4).cuda()
+    cfg = config("piecewise")
+    compiled = torch.compile(model, backend=make_backend(cfg))
+    k, v = model.caches("cuda")
+    first = torch.randn(17, cm.D_MODEL, device="cuda")
+    torch._dynamo.mark_dynamic(first, 0)
+    with torch.no_grad():
+        compiled(first, k, v, POS)
+        compiled(torch.randn(5, cm.D_MODEL, device="cuda"), k, v, POS)  # Dynamo's batch-1 graph aside
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        capture_sizes(lambda n: compiled(torch.randn(n, cm.D_MODEL, device="cuda"), k, v, POS), cfg)
+        torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    # Held after capturing every size: static input buffers and the final output of each size.
+    # Every other piece output is non-owning, so its memory went back to the shared pool.
+    kept = sum(-(-(n * cm.D_MODEL * 4) // 512) * 512 for n in CAPTURE)
+    print(f"\ncapture: {cudagraph_stats.captures} graphs, {cudagraph_stats.capture_seconds * 1e3:.1f} ms, pool "
+          f"+{cudagraph_stats.capture_bytes / 2**20:.1f} MiB reserved, {held / 2**10:.1f} KiB held "
+          f"(static inputs {cudagraph_stats.static_input_bytes / 2**10:.1f} KiB, final outputs {kept / 2**10:.1f} KiB)")
+    assert cudagraph_stats.captures >= 5 * (len(CAPTURE) - 1)
+    assert held <= cudagraph_stats.static_input_bytes + kept + 64 * 1024
