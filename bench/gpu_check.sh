@@ -3,6 +3,7 @@
 # expecttest and their needs) and torch_ext, then
 #   bash bench/gpu_check.sh tests   the GPU-marked tests, then the CPU suite on this torch (2.11)
 #   bash bench/gpu_check.sh bench   python bench/decode.py (extra args go to it)
+#   bash bench/gpu_check.sh all     the GPU tests, the benchmark, then the CPU suite (shorter timeouts)
 # Logs go to $OUT (or /tmp/torch_ext_gpu).
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -15,13 +16,16 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-what=${1:-tests}; shift
+what=${1:-all}; shift
+gpu_tests() {
+  timeout "$1" python3 -m pytest -q -s -p no:cacheprovider -p no:logging -m gpu tests/test_cudagraph_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+}
+cpu_suite() {  # the CPU suite on this machine's torch (2.11): 14 workers
+  timeout "$1" python3 -m pytest -q -p no:cacheprovider -p no:logging -n 14 -rf --tb=line -m "not slow and not gpu" tests >"$OUT/cpu_suite.log" 2>&1
+  grep -v "Benchmark\|warner" "$OUT/cpu_suite.log" | tail -30
+}
 case "$what" in
-  tests)
-    timeout 420 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_cudagraph_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -n 12 -m "not slow and not gpu" tests 2>&1 | tail -40 | tee "$OUT/cpu_suite.log"
-    ;;
-  bench)
-    python3 bench/decode.py "$@" 2>&1 | tee "$OUT/decode.log"
-    ;;
+  tests) gpu_tests 420; cpu_suite 170 ;;
+  bench) timeout 560 python3 bench/decode.py "$@" 2>&1 | tee "$OUT/decode.log" ;;
+  all) gpu_tests 90; timeout 330 python3 bench/decode.py "$@" 2>&1 | tee "$OUT/decode.log"; cpu_suite 140 ;;
 esac
