@@ -62,12 +62,13 @@ class Layer(nn.Module):
     """Pre-norm attention layer (kept small: tests compile it cold on a 2-core CPU); the attention
     kind picks the splitting op."""
 
-    def __init__(self, d: int = D_MODEL, kind: str = "cache"):
+    def __init__(self, d: int = D_MODEL, kind: str = "cache", mlp: bool = False):
         super().__init__()
         self.kind = kind
         self.norm1 = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) if mlp else None
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor | None) -> torch.Tensor:
         q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
@@ -78,7 +79,8 @@ class Layer(nn.Module):
             torch.ops.torch_ext_test.attention_out(q, k, v, kv_cache, a)
         else:
             a = torch.ops.torch_ext_test.attention_fn(q, k, v)
-        return x + torch.nn.functional.gelu(self.proj(a))
+        x = x + torch.nn.functional.gelu(self.proj(a))
+        return x if self.mlp is None else x + self.mlp(x)
 
 
 class NestedLayer(Layer):
@@ -90,12 +92,13 @@ class NestedLayer(Layer):
 
 
 class Decoder(nn.Module):
-    def __init__(self, layers: int = 2, d: int = D_MODEL, kind: str = "cache", nested: bool = False):
+    def __init__(self, layers: int = 2, d: int = D_MODEL, kind: str = "cache", nested: bool = False,
+                 mlp: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Linear(d, d)
         layer_cls = NestedLayer if nested else Layer
-        self.layers = nn.ModuleList(layer_cls(d, kind) for _ in range(layers))
+        self.layers = nn.ModuleList(layer_cls(d, kind, mlp) for _ in range(layers))
         self.head = nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor, caches: list[torch.Tensor]) -> torch.Tensor:
@@ -104,8 +107,8 @@ class Decoder(nn.Module):
             h = layer(h, caches[i] if caches else None)
         return self.head(h)
 
-    def caches(self) -> list[torch.Tensor]:
-        return [torch.zeros(CACHE_ROWS, self.head.in_features) for _ in self.layers]
+    def caches(self, rows: int = CACHE_ROWS) -> list[torch.Tensor]:
+        return [torch.zeros(rows, self.head.in_features) for _ in self.layers]
 
 
 def batch(n: int, d: int = D_MODEL, *, dynamic: bool = False, seed: int | None = None) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from torch_ext.backend import dump
 from torch_ext.backend.builder import PieceGroup, VariantBuilder
-from torch_ext.backend.cache import ArtifactStore, ensure_private_dir, model_key
+from torch_ext.backend.cache import ArtifactStore, UnsafeCacheDirError, ensure_private_dir, model_key
 from torch_ext.backend.compiler import InductorCompiler
 from torch_ext.backend.cudagraph import CudaGraphManager
 from torch_ext.backend.config import CompileConfig
@@ -61,6 +61,7 @@ class TorchExtBackend:
         dump.trace_artifact("torch_ext_split_graph", lambda: dump.readable(split.split_gm))
         if dumper:
             dumper.graph("split_graph.py", split.split_gm, "pieces called in order; splitting ops run eagerly")
+        counters.backend_seconds += time.perf_counter() - start
         after = counters.snapshot()
         log.info(
             "torch_ext: graph %d split into %d compute pieces (%d unique) around %d splitting ops; "
@@ -78,14 +79,21 @@ class TorchExtBackend:
             return None
         traced = torch._guards.TracingContext.get_traced_code() or []
         files = [code.co_filename for code in traced]
-        return ArtifactStore(self.config.cache_dir, model_key(self.config.artifact_hash(), files))
+        try:
+            return ArtifactStore(self.config.cache_dir, model_key(self.config.artifact_hash(), files))
+        except UnsafeCacheDirError:
+            raise
+        except OSError as e:  # e.g. a read-only home: compile without the disk cache
+            log.warning("torch_ext: cannot use cache dir %s (%s); compiling without a disk cache",
+                        self.config.cache_dir, e)
+            return None
 
-    def _install_runners(self, split: SplitGraph, group: PieceGroup, dumper, done: set | None = None) -> None:
+    def _install_runners(self, split: SplitGraph, group: PieceGroup, dumper, done: dict | None = None) -> None:
         """Point every piece call of the split graph at its runner (recursing into split HOP bodies)."""
-        done = set() if done is None else done
+        done = {} if done is None else done
         if id(split) in done:  # a body shared by several call sites
             return
-        done.add(id(split))
+        prefix = done[id(split)] = f"body{len(done)}_" if done else ""
         for position, piece in enumerate(split.pieces):
             if piece.kind == "splitting":
                 counters.splitting_op_calls += 1
@@ -99,7 +107,7 @@ class TorchExtBackend:
             if dumper:
                 note = "runs as plain Python (nothing to compile)" if runner is None else \
                     f"fingerprint {runner.fingerprint[:16]}, runs as {runner.name} of {group.name}"
-                dumper.graph(os.path.join("pieces", f"{id(split):x}_{piece.name}.py"), piece.graph_module, note)
+                dumper.graph(os.path.join("pieces", f"{prefix}{piece.name}.py"), piece.graph_module, note)
             if runner is not None:
                 # The split graph calls `self.<name>(...)`; an instance attribute replaces the submodule.
                 delattr(split.split_gm, piece.name)

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 class VariantBuilder:
     def __init__(self, compiler: InductorCompiler):
         self.compiler = compiler
-        self._memo: dict[str, Callable] = {}
+        self._memo: dict[str, tuple[Callable, bytes | None]] = {}  # artifact name -> (callable, bytes)
 
     def artifact_name(self, piece: CompiledPiece, variant: Variant) -> str:
         factors = f"{piece.fingerprint}|{self.compiler.key_factors(variant)}"
@@ -37,14 +37,18 @@ class VariantBuilder:
 
     def build(self, piece: CompiledPiece, variant: Variant, example_inputs, store: ArtifactStore | None) -> Callable:
         name = self.artifact_name(piece, variant)
-        fn = self._memo.get(name)
-        if fn is None:
-            fn = self._memo[name] = self._load_or_compile(piece, variant, example_inputs, store, name)
+        if name in self._memo:
+            fn, blob = self._memo[name]
+            if store is not None and blob is not None and not store.has(name):
+                _write(store, name, blob)  # shared with another graph: keep each graph's cache whole
+            return fn
+        fn, blob = self._load_or_compile(piece, variant, example_inputs, store, name)
+        self._memo[name] = (fn, blob)
         return fn
 
-    def _load_or_compile(self, piece, variant, example_inputs, store, name) -> Callable:
+    def _load_or_compile(self, piece, variant, example_inputs, store, name) -> tuple[Callable, bytes | None]:
         if store is None:
-            return self.compiler.compile(piece.graph_module, example_inputs, variant, name=piece.name)
+            return self.compiler.compile(piece.graph_module, example_inputs, variant, name=piece.name), None
         with store.lock(name):
             blob = store.read(name)
             if blob is not None:
@@ -54,13 +58,20 @@ class VariantBuilder:
                     store.discard(name, f"cannot be loaded: {type(e).__name__}: {e}")
                 else:
                     counters.cache_hits += 1
-                    return fn
+                    return fn, blob
             counters.cache_misses += 1
             artifact = self.compiler.compile(piece.graph_module, example_inputs, variant, name=piece.name)
             blob = self.compiler.serialize(artifact)
             if blob is not None:
-                store.write(name, blob)
-            return artifact
+                _write(store, name, blob)
+            return artifact, blob
+
+
+def _write(store: ArtifactStore, name: str, blob: bytes) -> None:
+    try:
+        store.write(name, blob)
+    except OSError as e:  # a full disk costs the next process a compile, not this one its run
+        log.warning("torch_ext cache: cannot write %s (%s); continuing without it", store.path(name), e)
 
 
 def is_trivial(gm: fx.GraphModule) -> bool:

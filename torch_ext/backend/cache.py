@@ -123,6 +123,9 @@ class ArtifactStore:
     def path(self, name: str) -> str:
         return os.path.join(self.directory, "artifacts", name + ".bin")
 
+    def has(self, name: str) -> bool:
+        return os.path.exists(self.path(name))
+
     @contextlib.contextmanager
     def lock(self, name: str):
         """Hold the entry's inter-process lock; says so when another process holds it long."""

@@ -16,7 +16,8 @@ class BackendCounters:
     cache_hits: int = 0  # variants loaded from the disk cache
     cache_misses: int = 0  # variants looked for on disk and not found
     cache_damaged: int = 0  # entries that failed the integrity check (then recompiled)
-    compile_seconds: float = 0.0  # wall time inside Inductor
+    backend_seconds: float = 0.0  # wall time in the backend call (split, compile or load, install)
+    compile_seconds: float = 0.0  # wall time inside Inductor (also lazy per-size compiles)
     load_seconds: float = 0.0  # wall time loading cached artifacts
     # Inductor compiles per variant: "general", "size=8", "range=[1,16)".
     compiles_by_variant: collections.Counter = dataclasses.field(default_factory=collections.Counter)

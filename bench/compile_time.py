@@ -1,0 +1,177 @@
+"""Compile time of the torch_ext backend beside plain torch.compile (Inductor), on CPU.
+
+    python bench/compile_time.py                 # layers 2, 8, 32; cold and warm; table on stdout
+    python bench/compile_time.py --layers 2 8    # fewer
+    python bench/compile_time.py --hop-modes     # nested_compile_region layers: inline vs in_body
+
+Every number comes from its own process. "1st call" is the wall time of the first call (Dynamo
+trace + backend + first run) of a decoder with a dynamic batch; "backend" is the time inside the
+backend alone (torch_ext: split + compile or load; inductor: compile_fx). "cold": empty Inductor cache
+(TORCHINDUCTOR_CACHE_DIR) and empty torch_ext cache; "warm": a new process on the caches the
+cold run left. Goals: torch_ext's 32-layer cold compile within 1.3x of its 2-layer one, and
+warm at least 5x faster than cold.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # backend_models: the decoder and its op
+
+D_MODEL = 64
+BATCH = 8
+
+
+def child(args) -> None:
+    """One measurement in this process; prints JSON."""
+    import torch
+
+    import backend_models as bm
+    from torch_ext.backend import CompileConfig, counters, make_backend
+
+    model = bm.Decoder(layers=args.layers[0], d=D_MODEL, nested=args.nested, mlp=True)
+    inductor_seconds = []
+    if args.mode == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        def timed_inductor(gm, example_inputs):  # Inductor's own backend, timed like ours
+            start = time.perf_counter()
+            try:
+                return compile_fx(gm, example_inputs)
+            finally:
+                inductor_seconds.append(time.perf_counter() - start)
+
+        compiled = torch.compile(model, backend=timed_inductor)
+    else:
+        cfg = CompileConfig(splitting_ops=["torch_ext_test::attention"], cache_dir=args.cache_dir,
+                            dedup=(args.mode != "torch_ext-nodedup"), hop_split=args.hop_split,
+                            progress_bar=False)
+        compiled = torch.compile(model, backend=make_backend(cfg))
+    caches = model.caches(rows=BATCH * 4)
+    x = bm.batch(BATCH, D_MODEL, dynamic=True, seed=0)
+    with torch.no_grad():
+        start = time.perf_counter()
+        out = compiled(x, caches)
+        compile_s = time.perf_counter() - start
+        error = (out - model(x, model.caches(rows=BATCH * 4))).abs().max().item()
+        run_ms = None
+        if args.iters:
+            for _ in range(3):
+                compiled(x, caches)
+            start = time.perf_counter()
+            for _ in range(args.iters):
+                compiled(x, caches)
+            run_ms = (time.perf_counter() - start) / args.iters * 1e3
+    backend_s = sum(inductor_seconds) if args.mode == "inductor" else counters.backend_seconds
+    print(json.dumps({"compile_s": compile_s, "backend_s": backend_s, "run_ms": run_ms, "max_error": error,
+                      "counters": counters.snapshot()}))
+
+
+def measure(mode, layers, inductor_dir, cache_dir, *, nested=False, hop_split="inline", iters=0) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_dir)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode, "--layers", str(layers),
+           "--cache-dir", cache_dir, "--hop-split", hop_split, "--iters", str(iters)]
+    if nested:
+        cmd.append("--nested")
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    if out.returncode != 0:
+        raise RuntimeError(f"{mode} layers={layers} failed:\n{out.stderr[-3000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if result["max_error"] > 1e-4:
+        raise RuntimeError(f"{mode} layers={layers}: output differs from eager by {result['max_error']}")
+    return result
+
+
+def cold_and_warm(root, mode, layers, **kw) -> tuple[dict, dict]:
+    tag = f"{mode}-{layers}-{kw.get('hop_split', 'inline')}"
+    inductor_dir, cache_dir = os.path.join(root, tag, "inductor"), os.path.join(root, tag, "torch_ext")
+    os.makedirs(inductor_dir)
+    cold = measure(mode, layers, inductor_dir, cache_dir, **kw)
+    warm = measure(mode, layers, inductor_dir, cache_dir, **kw)
+    shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
+    return cold, warm
+
+
+def compile_table(root, layer_counts) -> None:
+    modes = ["torch_ext", "torch_ext-nodedup", "inductor"]
+    rows, cold_by = [], {}
+    for layers in layer_counts:
+        for mode in modes:
+            cold, warm = cold_and_warm(root, mode, layers)
+            cold_by[(mode, layers)] = (cold["compile_s"], cold["backend_s"])
+            c = cold["counters"]
+            pieces = f"{c['pieces']}/{c['unique_pieces']}" if mode != "inductor" else "-"
+            compiles = str(c["inductor_compiles"]) if mode != "inductor" else "-"
+            hits = str(warm["counters"]["cache_hits"]) if mode != "inductor" else "-"
+            rows.append((str(layers), mode, f"{cold['compile_s']:.1f}", f"{warm['compile_s']:.1f}",
+                         f"{cold['compile_s'] / warm['compile_s']:.1f}x", f"{cold['backend_s']:.1f}",
+                         f"{warm['backend_s']:.1f}", f"{cold['backend_s'] / warm['backend_s']:.1f}x",
+                         pieces, compiles, hits))
+            print(f"  done: {mode} {layers} layers", file=sys.stderr, flush=True)
+    header = ("layers", "backend", "1st call cold s", "warm s", "cold/warm", "backend cold s", "warm s",
+              "cold/warm", "pieces/unique", "compiles", "warm hits")
+    print_table(header, rows)
+    small, big = min(layer_counts), max(layer_counts)
+    if small != big:
+        for mode in modes:
+            (big_call, big_backend), (small_call, small_backend) = cold_by[(mode, big)], cold_by[(mode, small)]
+            print(f"{mode}: {big}-layer cold / {small}-layer cold = {big_call / small_call:.2f}x first call, "
+                  f"{big_backend / small_backend:.2f}x backend")
+
+
+def hop_table(root, layer_counts) -> None:
+    rows = []
+    for layers in layer_counts:
+        for hop_split in ("inline", "in_body"):
+            cold, _ = cold_and_warm(root, "torch_ext", layers, nested=True, hop_split=hop_split, iters=200)
+            c = cold["counters"]
+            rows.append((str(layers), hop_split, f"{cold['compile_s']:.1f}", f"{cold['run_ms']:.2f}",
+                         f"{c['pieces']}/{c['unique_pieces']}", str(c["inductor_compiles"])))
+    print_table(("layers", "hop_split", "cold compile s", "run ms/iter", "pieces/unique", "compiles"), rows)
+
+
+def print_table(header, rows) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda cells: "| " + " | ".join(str(c).rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    print(line(header))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print(line(r))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
+    parser.add_argument("--hop-modes", action="store_true", help="compare hop_split inline vs in_body")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="torch_ext", help=argparse.SUPPRESS)
+    parser.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--hop-split", default="inline", help=argparse.SUPPRESS)
+    parser.add_argument("--nested", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--iters", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    import torch
+
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, decoder d={D_MODEL} batch={BATCH} (dynamic)")
+    root = tempfile.mkdtemp(prefix="torch_ext_bench_")
+    try:
+        if args.hop_modes:
+            hop_table(root, args.layers)
+        else:
+            compile_table(root, args.layers)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
