@@ -106,5 +106,5 @@ def test_pool_is_shared_and_only_escaping_outputs_stay_allocated():
     print(f"\ncapture: {cudagraph_stats.captures} graphs in {cudagraph_stats.capture_seconds * 1e3:.1f} ms, pool "
           f"+{cudagraph_stats.capture_bytes / 2**20:.1f} MiB reserved; sizes {CAPTURE[1:-1]} hold {held / 2**10:.1f} KiB "
           f"(static inputs {static / 2**10:.1f} KiB, final outputs {kept / 2**10:.1f} KiB)")
-    assert cudagraph_stats.captures == 4 * (len(CAPTURE) - 1)
+    assert cudagraph_stats.captures == 5 * (len(CAPTURE) - 1)  # 5 pieces around 4 attentions
     assert held <= static + kept + 16 * 1024

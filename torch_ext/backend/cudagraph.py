@@ -547,7 +547,7 @@ class CudaGraphRunner:
             if spec.role == COPIED and self.symbol is not None:
                 padded = self.manager.output_view(args[i], entry.size, spec.shape_at(self.symbol, entry.size))
                 if padded is not None:  # read in place from an earlier graph's output
-                    entry.static_args[i] = padded
+                    entry.static_args[i] = _non_owning(padded)  # that graph's memory, not ours to keep
                     entry.reused[i] = (args[i].data_ptr(), args[i].stride())
                     buf = entry.buffers.pop(i)
                     cudagraph_stats.static_input_bytes -= buf.untyped_storage().nbytes()
@@ -717,6 +717,11 @@ class CudaGraphManager:
                 continue
             piece = split_gm.__dict__.get(node.target)
             if not isinstance(piece, CompiledPiece):
+                sub = split_gm._modules.get(node.target)
+                if isinstance(sub, fx.GraphModule):
+                    # A splitting op's partition runs eagerly between two replays, on the critical
+                    # path: call its code without nn.Module.__call__ (no hooks on these partitions).
+                    split_gm.__dict__[node.target] = sub.forward
                 continue
             written = written_placeholders(piece.graph_module)
             inputs, reason = self._input_specs(list(node.args), piece.example_inputs, info, written)
