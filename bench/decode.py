@@ -177,8 +177,9 @@ class HandGraphs:
                     self.compiled(x, k, v, POS)
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # torch.cuda.graph() empties the cache itself: measure from there
             before, start = torch.cuda.memory_reserved(), time.perf_counter()
-            graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph()  # each in its own pool (torch.cuda.graph's default)
             with torch.cuda.graph(graph):
                 out = self.compiled(x, k, v, POS)
             torch.cuda.synchronize()
