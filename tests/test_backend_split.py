@@ -115,3 +115,22 @@ def test_splitting_op_inside_an_unsupported_hop_is_refused():
     gm = fx.GraphModule(root, graph)
     with pytest.raises(SplitError, match=r"inside the body of the higher-order op 'cond'.*Move the splitting op"):
         split_graph(gm, MATCH, "inline")
+
+
+@pytest.mark.parametrize("region", ["wrap", "checkpoint"])
+def test_splitting_ops_inside_wrap_and_checkpoint_bodies_are_found(region):
+    from torch._higher_order_ops.wrap import wrap
+
+    layer = bm.Layer()
+
+    def f(x, cache):
+        if region == "wrap":
+            return wrap(layer, x, cache)
+        return torch.utils.checkpoint.checkpoint(layer, x, cache, use_reentrant=False)
+
+    gm = dynamo_graph(f, bm.batch(4), torch.zeros(bm.CACHE_ROWS, bm.D_MODEL))
+    hop = {"wrap": "wrap", "checkpoint": "tag_activation_checkpoint"}[region]
+    assert any(isinstance(n.target, torch._ops.HigherOrderOperator) and n.target.name() == hop
+               for n in gm.graph.nodes)
+    split = split_graph(gm, MATCH, "inline")
+    assert kinds(split) == ["compute", "splitting", "compute"]

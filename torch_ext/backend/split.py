@@ -10,17 +10,18 @@ needs one of two treatments:
 * "in_body": the HOP call stays a single opaque step at the top level; its body is split on
   its own and compiled once, and every call site runs the split body.
 
-Measured on CPU (torch 2.13, 2-core machine, toy decoder d=64, batch 8, warm Inductor cache
-reset per run; bench/compile_time.py --hop-modes):
-    layers  mode      compile s  run ms/iter
-      8     inline      4.9        0.90
-      8     in_body     5.8        1.49
-     32     inline      5.1        3.22
-     32     in_body     5.9        5.51
-Both compile a constant number of unique pieces; "in_body" has one more unique piece (pre- and
-post-attention halves cannot fuse across the layer boundary) and twice the piece calls per
-layer at run time, so "inline" wins on both counts and is the default. "in_body" stays
-available (CompileConfig.hop_split) for bodies too large to inline.
+Measured (torch 2.13, 2-core CPU; decoder of nested_compile_region layers, d=64, batch 8; run time
+is CPU time on one thread, best of 12 interleaved rounds; bench/compile_time.py --hop-modes):
+    layers  hop_split  unique pieces  Inductor compiles  cold backend s  run ms/iter (eager)
+      8     inline          3                3               19.4          2.62  (3.36)
+      8     in_body         3                3               21.1          2.91
+     32     inline          3                3               23.4         10.00 (13.99)
+     32     in_body         3                3               19.4         13.98
+Compile cost is the same (both compile a constant number of unique pieces; cold times are within
+this shared machine's noise). At run time "in_body" pays two piece calls per layer plus the
+partition and body graph calls around them, and cannot fuse the residual add and the next
+layer's norm across the layer boundary: 11-40% slower. "inline" is the default; "in_body" stays
+available (CompileConfig.hop_split).
 """
 from __future__ import annotations
 
