@@ -39,6 +39,8 @@ def graph_text(gm: torch.fx.GraphModule) -> str:
         stripped = line.strip()
         if stripped.startswith("# File:") or stripped.startswith("# No stacktrace"):
             continue
+        if stripped.startswith("#") and " File: " in stripped:  # 2.11: "# ac_graph_id: <n> - ... File: ..."
+            continue
         if not stripped:
             continue
         lines.append(line.rstrip())
