@@ -101,6 +101,20 @@ def test_plain_torch_compile_fails_where_torch_ext_works():
     run_and_compare(model, torch.compile(model, backend=make_backend(config())), [4, 9, 2])
 
 
+def test_dynamic_true_lets_dynamo_restart_on_float_scalars():
+    """With dynamic=True, Inductor asks Dynamo to retrace with LayerNorm's eps specialized; the
+    backend lets that request through instead of reporting a compile failure."""
+    model = bm.Decoder(layers=3)
+    compiled = torch.compile(model, backend=make_backend(config(compile_sizes=[4])), dynamic=True)
+    eager_caches, compiled_caches = model.caches(), model.caches()
+    with torch.no_grad():
+        for i, n in enumerate([4, 5, 4]):
+            x = bm.batch(n, seed=i)
+            torch.testing.assert_close(compiled(x, compiled_caches), model(x, eager_caches), atol=ATOL, rtol=RTOL)
+    assert (counters.pieces, counters.unique_pieces) == (4, 3)  # the restarted attempt is not counted
+    assert counters.compiles_by_variant["size=4"] == 3
+
+
 def test_batch_of_one_recompiles_in_dynamo_and_stays_correct():
     model = bm.Decoder(layers=2)
     run_and_compare(model, torch.compile(model, backend=make_backend(config(compile_sizes=[1, 4]))), [4, 1, 5])

@@ -66,8 +66,7 @@ class TorchExtBackend:
         log.info(
             "torch_ext: graph %d split into %d compute pieces (%d unique) around %d splitting ops; "
             "%d Inductor compiles, %d cache hits in %.2f s",
-            index, after["pieces"] - before["pieces"], len(group.pieces),
-            after["splitting_op_calls"] - before["splitting_op_calls"],
+            index, group.occurrences, len(group.pieces), group.splitting_ops,
             after["inductor_compiles"] - before["inductor_compiles"],
             after["cache_hits"] - before["cache_hits"], time.perf_counter() - start)
         if self.cudagraphs is not None:  # piecewise: wraps the pieces in place; full: wraps the split graph
@@ -96,13 +95,13 @@ class TorchExtBackend:
         prefix = done[id(split)] = f"body{len(done)}_" if done else ""
         for position, piece in enumerate(split.pieces):
             if piece.kind == "splitting":
-                counters.splitting_op_calls += 1
+                group.splitting_ops += 1
                 continue
             if piece.kind == "hop":
                 self._install_runners(piece.body, group, dumper, done)
                 _call_split_body(piece.graph_module, piece.hop_node, piece.body.split_gm)
                 continue
-            counters.pieces += 1
+            group.occurrences += 1
             runner = group.piece_for(piece.name, piece.graph_module, position)
             if dumper:
                 note = "runs as plain Python (nothing to compile)" if runner is None else \
@@ -114,8 +113,11 @@ class TorchExtBackend:
                 split.split_gm.__dict__[piece.name] = runner
 
     def _compile_general(self, group: PieceGroup) -> None:
-        counters.unique_pieces += len(group.pieces)
         group.compile_general()
+        # Counted once the graph is compiled: an attempt Dynamo restarts does not count.
+        counters.pieces += group.occurrences
+        counters.unique_pieces += len(group.pieces)
+        counters.splitting_op_calls += group.splitting_ops
 
 
 def _call_split_body(partition: fx.GraphModule, hop_node_name: str, body_split: fx.GraphModule) -> None:

@@ -110,6 +110,8 @@ class PieceGroup:
         self.store = store
         self.symbol = symbol
         self.pieces: dict[str, CompiledPiece] = {}
+        self.occurrences = 0  # compute pieces in the graph, trivial ones included
+        self.splitting_ops = 0
         self.bounded_ranges = [r for r in config.compile_ranges() if r[1] is not None]
         self.range_starts = [lo for lo, _ in self.bounded_ranges]
         self._bars: dict[Variant, Any] = {}

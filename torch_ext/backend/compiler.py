@@ -119,8 +119,11 @@ class InductorCompiler:
                     with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
                         artifact = torch._inductor.standalone_compile(
                             gm, list(example_inputs), dynamic_shapes="from_tracing_context", options=options)
+        except torch._dynamo.exc.TorchDynamoException:
+            raise  # Dynamo's own control flow (e.g. restart with specialized float scalars)
         except Exception as e:
-            raise PieceCompileError(f"Inductor failed to compile piece {name} ({variant.label}): {e}") from e
+            raise PieceCompileError(
+                f"Inductor failed to compile piece {name} ({variant.label}): {type(e).__name__}: {e}") from e
         finally:
             _current_variant.reset(token)
             elapsed = time.perf_counter() - start
