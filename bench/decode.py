@@ -23,7 +23,7 @@ Every variant's output is checked against eager (relative L2 error of the step's
 from __future__ import annotations
 
 import argparse
-import math
+import logging
 import os
 import statistics
 import sys
@@ -212,6 +212,8 @@ def main() -> int:
     from torch_ext.backend.passes import FuseAddRMSNormPass
 
     define_attention()
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("torch_ext.backend.cudagraph").setLevel(logging.INFO)  # why a region runs without graphs
     batches = [int(b) for b in args.batches.split(",")]
     skip = set(filter(None, args.skip.split(",")))
     torch.manual_seed(0)
@@ -266,7 +268,11 @@ def main() -> int:
                 for b in batches:
                     expected = model(check[b], k_caches, v_caches, POS).clone()
                     errs[b] = rel_err(fn(check[b], k_caches, v_caches, POS), expected)
+                    uncaptured = cudagraph_stats.uncaptured_runs
                     results[(name, b)] = time_steps(lambda x: fn(x, k_caches, v_caches, POS), inputs[b], args.iters)
+                    if cudagraph_stats.uncaptured_runs != uncaptured:  # a region fell back to running without graphs
+                        print(f"[{name}] B={b}: {cudagraph_stats.uncaptured_runs - uncaptured} uncaptured region runs "
+                              "while timing (see the torch_ext.backend.cudagraph log)", flush=True)
             errors[name] = max(errs.values())
             notes[name] = f"ready in {ready:.1f} s"
             if cudagraph_stats.captures:

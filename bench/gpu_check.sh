@@ -21,7 +21,7 @@ gpu_tests() {
   timeout "$1" python3 -m pytest -q -s -p no:cacheprovider -p no:logging -m gpu tests/test_cudagraph_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
 }
 cpu_suite() {  # the CPU suite on this machine's torch (2.11): 14 workers
-  timeout "$1" python3 -m pytest -v -p no:cacheprovider -p no:logging -n 14 -rf --tb=short -m "not slow and not gpu" tests >"$OUT/cpu_suite.log" 2>&1
+  timeout "$1" python3 -m pytest -v -p no:cacheprovider -n 14 -rf --tb=short -m "not slow and not gpu" tests >"$OUT/cpu_suite.log" 2>&1
   grep -E "(FAILED|ERROR) |passed|failed" "$OUT/cpu_suite.log" | grep -v "^E " | tail -40
 }
 case "$what" in
