@@ -296,3 +296,25 @@ def test_piecewise_over_inductor_pieces_matches_eager():
     be = backend(compile_sizes=(4,))
     run_against_eager(model, torch.compile(model, backend=be), [3, 3, 3, 4, 2, 9])
     assert [size for _, size in be.cudagraphs.captured] == [4] * 3
+
+
+def test_a_failed_capture_is_a_clear_error_then_the_region_runs_without_graphs(fx_pieces):
+    from torch_ext.backend.cudagraph import CudaGraphCaptureError
+
+    class FailingOnce(cm.SimulatedCudaGraphs):
+        failed = False
+
+        def capture(self, fn, args, device, name, size):
+            if not FailingOnce.failed:
+                FailingOnce.failed = True
+                raise CudaGraphCaptureError(f"could not capture {name}")
+            return super().capture(fn, args, device, name, size)
+
+    model = cm.TinyDecoder(layers=2)
+    be = backend()
+    be.cudagraphs = FailingOnce(be.config)
+    compiled = torch.compile(model, backend=be)
+    with pytest.raises(CudaGraphCaptureError, match="could not capture graph 0/submod_0"):
+        run_against_eager(model, compiled, [3, 3])
+    run_against_eager(model, compiled, [3, 3, 3])  # correct, without graphs for that size
+    assert not be.cudagraphs.runners()[0].capturable

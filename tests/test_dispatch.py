@@ -146,3 +146,14 @@ def test_buffer_assignments_reads_bytecode():
 
     assert len(buffer_assignments(assigns.__code__)) == 1
     assert buffer_assignments(reads.__code__) == []
+
+
+def test_an_aborted_compile_leaves_no_check_behind():
+    from test_cudagraph import MutatesBuffer
+
+    model = MutatesBuffer()
+    with pytest.raises(Exception, match="mutates the module buffer"):
+        _call(torch.compile(model, backend=torch_ext.backend(config(cudagraph_mode="piecewise"))), model)
+    torch._dynamo.reset()
+    model = AssignsBuffer()  # assigning a buffer is fine without CUDA graphs
+    _call(torch.compile(model, backend=torch_ext.backend(config())), model)

@@ -555,7 +555,11 @@ class CudaGraphRunner:
                 entry.static_args[i] = args[i]
                 entry.addresses[i] = args[i].data_ptr()
         back = self._fill(entry, n, args)
-        graph, out = self.manager.capture(self.runnable, entry.static_args, self._device, self.name, entry.size)
+        try:
+            graph, out = self.manager.capture(self.runnable, entry.static_args, self._device, self.name, entry.size)
+        except Exception as e:  # its static inputs are half set up: never capture this region again
+            self.capturable, self.reason = False, f"capture failed ({type(e).__name__})"
+            raise
         outs = self._outputs(out)
         entry.graph, entry.captured_at = graph, n
         self.manager.note_outputs(outs, entry.size)
@@ -674,9 +678,6 @@ class CudaGraphManager:
     def prepare(self, gm: fx.GraphModule, is_splitting: Callable[[fx.Node], bool], name: str) -> GraphInfo:
         """Read the Dynamo graph (after HOP inlining); refuse module state mutated outside splitting ops,
         and have the frame's transformed code checked for module state assignments."""
-        from torch_ext.backend import dispatch  # it imports this module
-
-        dispatch.expect_transformed_code(f"cudagraph_mode={self.mode!r}")
         written = written_placeholders(gm)
         written_outside = written_placeholders(gm, skip=is_splitting)
         placeholders = {}
@@ -685,6 +686,9 @@ class CudaGraphManager:
             placeholders[node.name] = (_value(node), static, i in written, i in written_outside)
             if static and i in written_outside and _STATIC_NAME.search(node.name.lower()):
                 raise _mutation_error(node, written_outside[i])
+        from torch_ext.backend import dispatch  # it imports this module
+
+        dispatch.expect_transformed_code(f"cudagraph_mode={self.mode!r}")
         output = gm.graph.output_node().args[0]
         outputs = [_value(o) if isinstance(o, fx.Node) else o
                    for o in (output if isinstance(output, (tuple, list)) else (output,))]

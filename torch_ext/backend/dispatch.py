@@ -49,7 +49,9 @@ __all__ = ["GuardFreeDispatcher", "buffer_assignments", "compile", "expect_trans
 
 _local = threading.local()  # the dispatcher whose first call is compiling, in this thread
 _hook_handle = None
-_pending_checks: list[str] = []  # backends with CUDA graphs that compiled a graph of the frame in progress
+# (compile id, what) for frames in which a backend with CUDA graphs compiled a graph; the hook for
+# the same compile checks the frame's code (entries of aborted compiles are dropped).
+_pending_checks: list[tuple[Any, str]] = []
 
 _STATE_DICTS = ("_buffers", "_parameters")
 
@@ -62,7 +64,7 @@ def _ensure_hook() -> None:
 
 def expect_transformed_code(what: str) -> None:
     """Called by a backend with CUDA graphs while Dynamo compiles a frame: check that frame's code."""
-    _pending_checks.append(what)
+    _pending_checks.append((torch._guards.CompileContext.current_compile_id(), what))
     _ensure_hook()
 
 
@@ -71,11 +73,12 @@ def _bytecode_hook(code: types.CodeType, new_code: types.CodeType):
     if dispatcher is not None and code is dispatcher.code and dispatcher.transformed is None:
         dispatcher.transformed = new_code
     if _pending_checks:
-        what = _pending_checks[-1]
+        current = torch._guards.CompileContext.current_compile_id()
+        mine = [what for compile_id, what in _pending_checks if compile_id == current]
         _pending_checks.clear()
-        found = buffer_assignments(new_code)
+        found = buffer_assignments(new_code) if mine else []
         if found:
-            raise _assignment_error(code, new_code, found, what)
+            raise _assignment_error(code, new_code, found, mine[-1])
     return None
 
 
