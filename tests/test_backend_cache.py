@@ -102,8 +102,11 @@ def test_writer_killed_mid_write_leaves_no_entry_and_no_stuck_lock(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
     assert artifacts(tmp_path) == []  # nothing half-written under a final name
+    (leftover,) = glob.glob(str(tmp_path / "*" / "tmp" / "*"))
+    os.utime(leftover, (time.time() - 7200, time.time() - 7200))  # old: its writer is long gone
 
     _compile_and_check(tmp_path)  # would wait forever on a lock the dead writer still held
+    assert not os.path.exists(leftover)  # swept
     assert counters.cache_damaged == 0
     assert counters.inductor_compiles == UNIQUE_VARIANTS
     assert len(artifacts(tmp_path)) == UNIQUE_VARIANTS

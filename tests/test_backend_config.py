@@ -1,7 +1,10 @@
 """CompileConfig validation, the splitting_op helper and how the backend is reached (no compiling)."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
+import pickle
 import subprocess
 import sys
 
@@ -48,10 +51,12 @@ def test_fields_are_normalized():
     assert cfg.compile_sizes == (8, 32)
     assert cfg.cudagraph_capture_sizes == (1, 4)
     assert cfg.cache_dir == os.path.join(os.path.expanduser("~"), "somewhere")
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="frozen"):
         cfg.inductor_options["max_autotune"] = True  # read-only: the config is frozen
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.dedup = False
+    assert pickle.loads(pickle.dumps(cfg)) == cfg == copy.deepcopy(cfg)
+    assert dataclasses.replace(cfg, dedup=False).dedup is False
 
 
 def test_cache_dir_default_and_off(monkeypatch, tmp_path):

@@ -22,6 +22,7 @@ import os
 import stat
 import sys
 import tempfile
+import time
 
 import filelock
 import torch
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"TORCH_EXT_ARTIFACT v1\n"
 _LOCK_WAIT_LOG_S = 10.0
+_STALE_TEMP_S = 3600.0
 
 
 class UnsafeCacheDirError(PermissionError):
@@ -119,6 +121,18 @@ class ArtifactStore:
         ensure_private_dir(self.directory)
         for sub in ("artifacts", "locks", "tmp"):
             ensure_private_dir(os.path.join(self.directory, sub))
+        self._sweep_stale_temp_files()
+
+    def _sweep_stale_temp_files(self) -> None:
+        """Remove temp files of writers that died mid-write (old enough that no writer owns them)."""
+        tmp = os.path.join(self.directory, "tmp")
+        cutoff = time.time() - _STALE_TEMP_S
+        for entry in os.scandir(tmp):
+            try:
+                if entry.stat().st_mtime < cutoff:
+                    os.unlink(entry.path)
+            except FileNotFoundError:
+                pass
 
     def path(self, name: str) -> str:
         return os.path.join(self.directory, "artifacts", name + ".bin")

@@ -20,7 +20,6 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -36,6 +35,24 @@ def default_cache_dir() -> str:
         return os.path.abspath(os.path.expanduser(os.environ["TORCH_EXT_CACHE_DIR"]))
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(os.path.abspath(base), "torch_ext")
+
+
+class FrozenDict(dict):
+    """A read-only dict (unlike MappingProxyType it copies and pickles)."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("CompileConfig is frozen: build a new one (dataclasses.replace) to change options")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
+
+    def __reduce__(self):
+        return (FrozenDict, (dict(self),))
+
+    def __deepcopy__(self, memo):
+        return self  # immutable
+
+    def __repr__(self) -> str:
+        return f"{dict(self)!r}"
 
 
 class ConfigError(ValueError):
@@ -161,7 +178,7 @@ class CompileConfig:
                 close = difflib.get_close_matches(str(key), list(known), n=3)
                 _fail("inductor_options", f"{key!r} is not an Inductor config option",
                       f"Did you mean {close}?" if close else "See torch._inductor.config for the options")
-        set_("inductor_options", MappingProxyType(dict(self.inductor_options)))
+        set_("inductor_options", FrozenDict(self.inductor_options))
 
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             _fail("cache_dir", f"expected a path or None, got {self.cache_dir!r}",
