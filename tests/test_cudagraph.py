@@ -13,7 +13,6 @@ import cudagraph_models as cm
 from torch_ext.backend import CompileConfig, make_backend
 from torch_ext.backend.cudagraph import (
     CudaGraphAddressError,
-    CudaGraphBufferMutationError,
     capture_sizes,
     cudagraph_stats,
     padded_size,

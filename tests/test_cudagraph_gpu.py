@@ -9,7 +9,7 @@ import torch
 import cudagraph_models as cm
 import torch_ext.backend.dispatch
 from torch_ext.backend import CompileConfig, make_backend
-from torch_ext.backend.cudagraph import CudaGraphBufferMutationError, capture_sizes, cudagraph_stats
+from torch_ext.backend.cudagraph import capture_sizes, cudagraph_stats
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
