@@ -6,7 +6,6 @@ import glob
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
