@@ -118,10 +118,6 @@ def test_backend_entry_points():
     assert torch._dynamo.lookup_backend("torch_ext") is torch_ext.backend.torch_ext_backend
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "torch_ext/__init__.py __getattr__ runs `from torch_ext import backend`, whose fromlist lookup "
-    "calls __getattr__('backend') again (RecursionError); importlib.import_module('torch_ext.backend') "
-    "there fixes it. Works once torch_ext.backend is imported."))
 def test_public_names_resolve_from_a_fresh_import():
     code = ("import torch_ext; cfg = torch_ext.CompileConfig(cache_dir=None); "
             "print(type(torch_ext.backend(cfg)).__name__)")

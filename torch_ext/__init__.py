@@ -2,6 +2,8 @@
 
 Importing torch_ext patches nothing; `install()` does, and `uninstall()` undoes it exactly.
 """
+import importlib
+
 from torch_ext import config
 from torch_ext.install import install, installed, is_installed, uninstall
 
@@ -18,11 +20,11 @@ __all__ = [
 
 
 def __getattr__(name):
-    # The backend pulls in Inductor; load it only when asked for.
+    # The backend pulls in Inductor; load it only when asked for. import_module, not
+    # `from torch_ext import backend`, whose attribute lookup would land here again.
     if name in ("CompileConfig", "backend"):
-        from torch_ext import backend as _backend_pkg
-
-        return getattr(_backend_pkg, "CompileConfig" if name == "CompileConfig" else "make_backend")
+        backend_pkg = importlib.import_module("torch_ext.backend")  # callable, like make_backend
+        return backend_pkg if name == "backend" else backend_pkg.CompileConfig
     if name == "compile":  # torch.compile with the torch_ext backend (guard-free dispatch if configured)
         from torch_ext.backend.dispatch import compile
 
