@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters as dynamo_counters
+from torch._inductor.utils import fresh_inductor_cache
 
 from torch_ext.backend import CompileConfig, counters, make_backend
 from torch_ext.backend.passes import FuseAddRMSNormPass
@@ -34,7 +35,9 @@ def _run(model, inputs, cache_dir, passes):
     counters.reset()
     dynamo_counters.clear()
     config = CompileConfig(cache_dir=str(cache_dir), post_grad_passes=passes)
-    with torch.no_grad():
+    # A fresh Inductor cache: its own FX-graph cache (shared with other tests) would skip the pass
+    # run and hide whether ours hit.
+    with torch.no_grad(), fresh_inductor_cache():
         out = torch.compile(model, backend=make_backend(config), fullgraph=True)(*inputs)
         ref = model(*inputs)
     torch.testing.assert_close(out, ref)
