@@ -34,14 +34,6 @@ def artifacts(cache_dir):
     return sorted(glob.glob(os.path.join(str(cache_dir), "*", "artifacts", "*.bin")))
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def test_pack_unpack_roundtrip_and_damage():
     payload = os.urandom(1000)
     data = cache_mod.pack(payload)

@@ -14,14 +14,6 @@ from torch_ext.backend import CompileConfig, counters, make_backend
 ATOL = RTOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def config(**kwargs) -> CompileConfig:
     kwargs.setdefault("splitting_ops", ["torch_ext_test::attention", "torch_ext_test::attention_fn",
                                         "torch_ext_test::attention_out"])
