@@ -42,17 +42,21 @@ DTYPE = torch.bfloat16
 
 
 _LIB = None
+ATTENTION_OPS = ("attention", "attention_lean")
+attention_op = "attention"  # which one the model calls (--attention)
 
 
 def define_attention():
-    """The attention op, registered straight with the dispatcher (as vLLM's direct_register_custom_op
+    """The attention ops, registered straight with the dispatcher (as vLLM's direct_register_custom_op
     does): torch.library.custom_op's Python autograd and alias handling cost tens of microseconds
-    per call, which piecewise graphs pay 16 times per step."""
+    per call, which piecewise graphs pay 16 times per step. Both compute the same thing;
+    `attention_lean` makes fewer host calls (indexing instead of narrow/select chains), as a serving
+    engineer's op would: piecewise CUDA graphs pay every host call of a splitting op on each step."""
     global _LIB
     if _LIB is not None:
         return
     _LIB = torch.library.Library("decode_bench", "DEF")
-    _LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int pos) -> Tensor")
+    schema = "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int pos) -> Tensor"
 
     def attention(q, k, v, k_cache, v_cache, pos: int):
         """q, k, v: (B, heads, head_dim); caches: (max_batch, heads, context, head_dim)."""
@@ -62,10 +66,19 @@ def define_attention():
         keys, values = k_cache.narrow(0, 0, b).narrow(2, 0, pos + 1), v_cache.narrow(0, 0, b).narrow(2, 0, pos + 1)
         return F.scaled_dot_product_attention(q.unsqueeze(2), keys, values).squeeze(2)
 
-    for device in ("CUDA", "CPU"):
-        _LIB.impl("attention", attention, device)
-    torch.library.register_fake("decode_bench::attention", lambda q, k, v, k_cache, v_cache, pos: torch.empty_like(q),
-                                lib=_LIB)
+    def attention_lean(q, k, v, k_cache, v_cache, pos: int):
+        b = q.shape[0]
+        k_cache[:b, :, pos] = k
+        v_cache[:b, :, pos] = v
+        return F.scaled_dot_product_attention(q[:, :, None], k_cache[:b, :, :pos + 1],
+                                              v_cache[:b, :, :pos + 1])[:, :, 0]
+
+    for name, fn in (("attention", attention), ("attention_lean", attention_lean)):
+        _LIB.define(name + schema)
+        for device in ("CUDA", "CPU"):
+            _LIB.impl(name, fn, device)
+        torch.library.register_fake(f"decode_bench::{name}", lambda q, k, v, k_cache, v_cache, pos: torch.empty_like(q),
+                                    lib=_LIB)
 
 
 class RMSNorm(nn.Module):
@@ -97,7 +110,7 @@ class Layer(nn.Module):
     def forward(self, h, k_cache, v_cache, cos, sin, pos: int):
         b = h.shape[0]
         q, k, v = self.qkv(self.input_norm(h)).view(b, 3, HEADS, HEAD_DIM).unbind(1)
-        a = torch.ops.decode_bench.attention(rotate(q, cos, sin), rotate(k, cos, sin), v, k_cache, v_cache, pos)
+        a = getattr(torch.ops.decode_bench, attention_op)(rotate(q, cos, sin), rotate(k, cos, sin), v, k_cache, v_cache, pos)
         h = h + self.o(a.reshape(b, HIDDEN))
         gate, up = self.gate_up(self.post_norm(h)).chunk(2, dim=-1)
         return h + self.down(F.silu(gate) * up)
@@ -194,41 +207,57 @@ class HandGraphs:
         return self.static_out[b]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", default="1,8,32,128")
-    parser.add_argument("--iters", type=int, default=200)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--skip", default="", help="comma-separated columns to leave out")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/decode.py measures CUDA graphs and needs a CUDA GPU; torch.cuda.is_available() is False "
-              "here. Run it on a machine with an NVIDIA GPU.")
-        return 0
-
-    import torch_ext.backend.dispatch as dispatch
+def ext_config(mode: str, batches, cache_dir: str, fusion: bool = False, **overrides):
     from torch_ext.backend import CompileConfig
-    from torch_ext.backend.cudagraph import capture_sizes, cudagraph_stats
     from torch_ext.backend.passes import FuseAddRMSNormPass
 
-    define_attention()
-    logging.basicConfig(format="%(name)s: %(message)s")
-    logging.getLogger("torch_ext.backend.cudagraph").setLevel(logging.INFO)  # why a region runs without graphs
-    batches = [int(b) for b in args.batches.split(",")]
-    skip = set(filter(None, args.skip.split(",")))
+    return CompileConfig(
+        splitting_ops=(f"decode_bench::{attention_op}",), compile_sizes=tuple(batches), cache_dir=cache_dir,
+        cudagraph_mode=mode, cudagraph_capture_sizes=tuple(batches), guard_free_dispatch=True,
+        post_grad_passes=(FuseAddRMSNormPass(),) if fusion else (), progress_bar=False, **overrides)
+
+
+def build(layers: int, max_batch: int):
+    """The model (bf16, random weights, eval, no grads) and its KV caches, on the GPU."""
     torch.manual_seed(0)
-    model = Decoder(args.layers).to(device="cuda", dtype=DTYPE).eval()
+    model = Decoder(layers).to(device="cuda", dtype=DTYPE).eval()
     for p in model.parameters():
         p.requires_grad_(False)
         if p.dim() == 2:
             p.normal_(0, 0.02)
     for buf in ("cos", "sin"):  # keep the rotary tables fp32 (cast per step, as HF does)
         setattr(model, buf, getattr(model, buf).float())
-    max_b = max(batches)
-    shape = (max_b, HEADS, CONTEXT, HEAD_DIM)
+    shape = (max_batch, HEADS, CONTEXT, HEAD_DIM)
     k_caches = [torch.randn(shape, dtype=DTYPE, device="cuda") for _ in model.layers]
     v_caches = [torch.randn(shape, dtype=DTYPE, device="cuda") for _ in model.layers]
+    return model, k_caches, v_caches
 
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,8,32,128")
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--skip", default="", help="comma-separated columns to leave out")
+    parser.add_argument("--attention", default="attention_lean", choices=ATTENTION_OPS,
+                        help="the attention op the model calls (see define_attention)")
+    args = parser.parse_args()
+    global attention_op
+    attention_op = args.attention
+    if not torch.cuda.is_available():
+        print("bench/decode.py measures CUDA graphs and needs a CUDA GPU; torch.cuda.is_available() is False "
+              "here. Run it on a machine with an NVIDIA GPU.")
+        return 0
+
+    import torch_ext.backend.dispatch as dispatch
+    from torch_ext.backend.cudagraph import capture_sizes, cudagraph_stats
+
+    define_attention()
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("torch_ext.backend.cudagraph").setLevel(logging.INFO)  # why a region runs without graphs
+    batches = [int(b) for b in args.batches.split(",")]
+    skip = set(filter(None, args.skip.split(",")))
+    model, k_caches, v_caches = build(args.layers, max(batches))
     bw = copy_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_bytes = {b: 2 * args.layers * b * HEADS * CONTEXT * HEAD_DIM * 2 for b in batches}
@@ -236,12 +265,6 @@ def main() -> int:
     inputs = {b: [torch.randn(b, HIDDEN, dtype=DTYPE, device="cuda") for _ in range(4)] for b in batches}
     check = {b: torch.randn(b, HIDDEN, dtype=DTYPE, device="cuda") for b in batches}
     cache_dir = tempfile.mkdtemp(prefix="torch_ext_decode_")
-
-    def ext_config(mode, fusion=False):
-        return CompileConfig(
-            splitting_ops=("decode_bench::attention",), compile_sizes=tuple(batches), cache_dir=cache_dir,
-            cudagraph_mode=mode, cudagraph_capture_sizes=tuple(batches), guard_free_dispatch=True,
-            post_grad_passes=(FuseAddRMSNormPass(),) if fusion else (), progress_bar=False)
 
     results, notes, errors = {}, {}, {}
 
@@ -292,7 +315,7 @@ def main() -> int:
             traceback.print_exc()
 
     def ext(mode, fusion=False):
-        cfg = ext_config(mode, fusion)
+        cfg = ext_config(mode, batches, cache_dir, fusion)
         compiled = dispatch.compile(model, cfg)
 
         def capture(fn):

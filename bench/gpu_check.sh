@@ -3,6 +3,7 @@
 # expecttest and their needs) and torch_ext, then
 #   bash bench/gpu_check.sh tests   the GPU-marked tests, then the CPU suite on this torch (2.11)
 #   bash bench/gpu_check.sh bench   python bench/decode.py (extra args go to it)
+#   bash bench/gpu_check.sh profile python bench/decode_profile.py (where a step's time goes), then the benchmark
 #   bash bench/gpu_check.sh all     the GPU tests, the benchmark, then the CPU suite (shorter timeouts)
 # Logs go to $OUT (or /tmp/torch_ext_gpu).
 set -o pipefail
@@ -26,6 +27,8 @@ cpu_suite() {  # the CPU suite on this machine's torch (2.11): 14 workers
 }
 case "$what" in
   tests) gpu_tests 420; cpu_suite 170 ;;
+  profile) timeout 250 python3 bench/decode_profile.py 2>&1 | tee "$OUT/profile.log"
+           timeout 300 python3 bench/decode.py "$@" 2>&1 | tee "$OUT/decode.log" ;;
   bench) timeout 560 python3 bench/decode.py "$@" 2>&1 | tee "$OUT/decode.log" ;;
   all) gpu_tests 90; timeout 330 python3 bench/decode.py "$@" 2>&1 | tee "$OUT/decode.log"; cpu_suite 170 ;;
 esac
