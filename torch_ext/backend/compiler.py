@@ -75,7 +75,7 @@ class InductorCompiler:
 
     def pass_manager(self, variant: Variant):
         """The post-grad PassManager for this variant, or None when no passes are configured."""
-        if not self.config.post_grad_passes:
+        if not self.config.post_grad_passes and not self.config.unfuse_output_addmm:
             return None
         size = variant.compile_size
         if size not in self._pass_managers:
@@ -86,7 +86,12 @@ class InductorCompiler:
                     "CompileConfig.post_grad_passes needs torch_ext.backend.passes.PassManager, which "
                     f"cannot be imported ({e}). Install a torch_ext that has it, or drop post_grad_passes."
                 ) from e
-            self._pass_managers[size] = pass_manager_cls(self.config.post_grad_passes, compile_size=size)
+            passes = tuple(self.config.post_grad_passes)
+            if self.config.unfuse_output_addmm:
+                from torch_ext.backend.passes import UnfuseOutputAddmm
+
+                passes = (UnfuseOutputAddmm(),) + passes
+            self._pass_managers[size] = pass_manager_cls(passes, compile_size=size)
         return self._pass_managers[size]
 
     def key_factors(self, variant: Variant) -> str:

@@ -132,6 +132,9 @@ class CompileConfig:
     hop_split: str = "inline"
     # Inductor CustomGraphPass-style passes run post-grad through torch_ext.backend.passes.PassManager.
     post_grad_passes: tuple[Any, ...] = dataclasses.field(default=(), hash=False)
+    # Run passes.UnfuseOutputAddmm before them: a residual sum that the split made a piece output
+    # would otherwise become an addmm, which costs a memcpy per residual on CUDA.
+    unfuse_output_addmm: bool = True
     # tqdm progress bars while compiling several pieces (None: only on a terminal).
     progress_bar: bool | None = None
     # Used by the CUDA-graph runner (a later issue); declared and validated now.
@@ -191,7 +194,7 @@ class CompileConfig:
         dump = os.fspath(self.debug_dump_dir) if self.debug_dump_dir else None
         set_("debug_dump_dir", os.path.abspath(os.path.expanduser(dump)) if dump else None)
 
-        for flag in ("dedup", "cudagraph_check_addresses", "guard_free_dispatch"):
+        for flag in ("dedup", "cudagraph_check_addresses", "guard_free_dispatch", "unfuse_output_addmm"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(flag, f"expected True or False, got {getattr(self, flag)!r}", f"Write {flag}=True")
         if self.progress_bar is not None and not isinstance(self.progress_bar, bool):

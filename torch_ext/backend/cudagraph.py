@@ -346,10 +346,11 @@ class _Plan:
     graph: Any
     copies: list  # (pos, destination view of n rows)
     copy_back: list  # (pos, source view of n rows)
-    reused: list  # (pos, ptr, stride)
+    reused: list  # [pos, ptr, stride, last tensor seen there]: read in place from an earlier graph's output
     pinned: list  # (pos, ptr): verified on every replay
     checked: list  # (pos, ptr or const): verified when cudagraph_check_addresses is on
     result: Any
+    replay: Callable | None = None  # the graph's C++ replay, bound (skips CUDAGraph.replay's Python frame)
 
 
 _NO_GRAPH = _Plan(None, None, [], [], [], [], [], None)  # type: ignore[arg-type]
@@ -394,21 +395,30 @@ class CudaGraphRunner:
         return args[i] if d is None else args[i].shape[d]
 
     def __call__(self, *args):
+        # The hot path of piecewise graphs (once per piece per step): keep it to a few lookups.
         if self.is_leader:
             self.group.calls += 1
-        plan = self._plans.get(self._size(args)) if self.capturable else None
-        if plan is None or plan.graph is None or (self._may_need_grad and torch.is_grad_enabled()):
+        locator = self.locator
+        if locator is None:
+            plan = self._plans.get(None)
+        else:
+            i, d = locator
+            plan = self._plans.get(args[i] if d is None else args[i].shape[d])
+        if plan is None or plan.replay is None or (self._may_need_grad and torch.is_grad_enabled()):
             return self._slow(args, plan)
         return self._replay(plan, args)
 
     def _replay(self, plan: _Plan, args):
-        for i, ptr, stride in plan.reused:
-            a = args[i]
-            if a.data_ptr() != ptr or a.stride() != stride:
-                # Not the earlier graph's output this time: a copy into its memory could clobber it.
-                self.manager.note_once(("moved", self.name), "torch_ext: %s ran without its CUDA graph: input %d "
-                                       "no longer lives in the output of the graph before it", self.name, i)
-                return self._uncaptured(args)
+        for reused in plan.reused:
+            a = args[reused[0]]
+            if a is not reused[3]:  # the previous piece hands over the same result tensors each step
+                if a.data_ptr() != reused[1] or a.stride() != reused[2]:
+                    # Not the earlier graph's output this time: a copy into its memory could clobber it.
+                    self.manager.note_once(("moved", self.name), "torch_ext: %s ran without its CUDA graph: "
+                                           "input %d no longer lives in the output of the graph before it",
+                                           self.name, reused[0])
+                    return self._uncaptured(args)
+                reused[3] = a
         for i, ptr in plan.pinned:
             if args[i].data_ptr() != ptr:
                 raise self._moved_error(plan.entry, i, args[i], ptr)
@@ -416,7 +426,7 @@ class CudaGraphRunner:
             self._check(plan, args)
         for i, dst in plan.copies:
             dst.copy_(args[i])
-        plan.graph.replay()
+        plan.replay()
         for i, src in plan.copy_back:
             args[i].copy_(src)
         cudagraph_stats.replays += 1
@@ -437,7 +447,7 @@ class CudaGraphRunner:
                                    "(run under torch.no_grad() or torch.inference_mode() to use them)")
             return self._uncaptured(args)
         if plan is not None:
-            return self._uncaptured(args) if plan.graph is None else self._replay(plan, args)
+            return self._uncaptured(args) if plan.replay is None else self._replay(plan, args)
         if self._device is None and not self._check_device(args):
             return self._uncaptured(args)
         n = self._size(args)
@@ -528,15 +538,14 @@ class CudaGraphRunner:
             copies.append((i, view))
             if self.inputs[i].written:
                 copy_back.append((i, view))
-        reused = []
-        for i, (ptr, stride) in entry.reused.items():
-            reused.append((i, ptr, stride))
+        reused = [[i, ptr, stride, None] for i, (ptr, stride) in entry.reused.items()]
         pinned = [(i, entry.addresses[i]) for i, s in enumerate(self.inputs) if s.kind == TENSOR and s.role == PINNED]
         checked = []
         if self.manager.check_addresses:
             checked = [(i, entry.addresses[i]) for i, s in enumerate(self.inputs) if s.kind == TENSOR and s.role == STATIC]
             checked += [(i, s.value) for i, s in enumerate(self.inputs) if s.kind == CONST]
-        return _Plan(entry, entry.graph, copies, copy_back, reused, pinned, checked, self._result(entry.outputs, n))
+        return _Plan(entry, entry.graph, copies, copy_back, reused, pinned, checked, self._result(entry.outputs, n),
+                     _replayer(entry.graph))
 
     # -- capture ----------------------------------------------------------------------------------
 
@@ -608,6 +617,15 @@ def _locate(inputs: list[_Spec], symbol) -> tuple[int, int | None] | None:
         if spec.kind == TENSOR and spec.batch_dims:
             return (i, spec.batch_dims[0])
     return None
+
+
+def _replayer(graph) -> Callable:
+    """graph.replay, bound to the C++ method when graph is a CUDAGraph (its Python override only
+    calls super())."""
+    base = getattr(torch._C, "_CUDAGraph", None)
+    if base is not None and isinstance(graph, base):
+        return base.replay.__get__(graph)
+    return graph.replay
 
 
 def _non_owning(t: torch.Tensor) -> torch.Tensor:

@@ -9,5 +9,6 @@ from torch_ext.backend.passes.base import Pass
 from torch_ext.backend.passes.fusion_add_rms_norm import FuseAddRMSNormPass
 from torch_ext.backend.passes.manager import PassManager
 from torch_ext.backend.passes.multi_output_match import MultiOutputMatch
+from torch_ext.backend.passes.unfuse_output_addmm import UnfuseOutputAddmm
 
-__all__ = ["Pass", "PassManager", "MultiOutputMatch", "FuseAddRMSNormPass"]
+__all__ = ["Pass", "PassManager", "MultiOutputMatch", "FuseAddRMSNormPass", "UnfuseOutputAddmm"]
