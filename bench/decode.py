@@ -42,43 +42,46 @@ DTYPE = torch.bfloat16
 
 
 _LIB = None
-ATTENTION_OPS = ("attention", "attention_lean")
-attention_op = "attention"  # which one the model calls (--attention)
+# How the attention op computes softmax(q k^T) v: torch's dispatcher picks ("auto": cuDNN on an
+# H200 with torch 2.11), or one backend called directly (skips the choice; fewer host calls).
+SDPA = {
+    "auto": lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+    "efficient": lambda q, k, v: torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, False)[0],
+    "flash": lambda q, k, v: torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[0],
+    "cudnn": lambda q, k, v: torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False)[0],
+}
+sdpa = "auto"
 
 
 def define_attention():
-    """The attention ops, registered straight with the dispatcher (as vLLM's direct_register_custom_op
+    """The attention op, registered straight with the dispatcher (as vLLM's direct_register_custom_op
     does): torch.library.custom_op's Python autograd and alias handling cost tens of microseconds
-    per call, which piecewise graphs pay 16 times per step. Both compute the same thing;
-    `attention_lean` makes fewer host calls (indexing instead of narrow/select chains), as a serving
-    engineer's op would: piecewise CUDA graphs pay every host call of a splitting op on each step."""
+    per call, which piecewise graphs pay 16 times per step. It makes few host calls, as a serving
+    op would: piecewise CUDA graphs pay every host call of a splitting op on every step. One KV
+    cache tensor per layer (key and value stacked, as vLLM lays it out), written with one copy."""
     global _LIB
     if _LIB is not None:
         return
     _LIB = torch.library.Library("decode_bench", "DEF")
-    schema = "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int pos) -> Tensor"
+    _LIB.define("attention(Tensor q, Tensor kv, Tensor(a!) kv_cache, int pos) -> Tensor")
 
-    def attention(q, k, v, k_cache, v_cache, pos: int):
-        """q, k, v: (B, heads, head_dim); caches: (max_batch, heads, context, head_dim)."""
+    def attention(q, kv, kv_cache, pos: int):
+        """q: (B, heads, head_dim); kv: (B, 2, heads, head_dim), the new key and value;
+        kv_cache: (max_batch, 2, heads, context, head_dim)."""
         b = q.shape[0]
-        k_cache.narrow(0, 0, b).select(2, pos).copy_(k)
-        v_cache.narrow(0, 0, b).select(2, pos).copy_(v)
-        keys, values = k_cache.narrow(0, 0, b).narrow(2, 0, pos + 1), v_cache.narrow(0, 0, b).narrow(2, 0, pos + 1)
-        return F.scaled_dot_product_attention(q.unsqueeze(2), keys, values).squeeze(2)
+        kv_cache[:b, :, :, pos] = kv
+        cache = kv_cache[:b, :, :, :pos + 1]
+        return SDPA[sdpa](q[:, :, None], cache[:, 0], cache[:, 1])[:, :, 0]
 
-    def attention_lean(q, k, v, k_cache, v_cache, pos: int):
+    def cpu_attention(q, kv, kv_cache, pos: int):
         b = q.shape[0]
-        k_cache[:b, :, pos] = k
-        v_cache[:b, :, pos] = v
-        return F.scaled_dot_product_attention(q[:, :, None], k_cache[:b, :, :pos + 1],
-                                              v_cache[:b, :, :pos + 1])[:, :, 0]
+        kv_cache[:b, :, :, pos] = kv
+        cache = kv_cache[:b, :, :, :pos + 1]
+        return F.scaled_dot_product_attention(q[:, :, None], cache[:, 0], cache[:, 1])[:, :, 0]
 
-    for name, fn in (("attention", attention), ("attention_lean", attention_lean)):
-        _LIB.define(name + schema)
-        for device in ("CUDA", "CPU"):
-            _LIB.impl(name, fn, device)
-        torch.library.register_fake(f"decode_bench::{name}", lambda q, k, v, k_cache, v_cache, pos: torch.empty_like(q),
-                                    lib=_LIB)
+    _LIB.impl("attention", attention, "CUDA")
+    _LIB.impl("attention", cpu_attention, "CPU")
+    torch.library.register_fake("decode_bench::attention", lambda q, kv, kv_cache, pos: torch.empty_like(q), lib=_LIB)
 
 
 class RMSNorm(nn.Module):
@@ -107,10 +110,11 @@ class Layer(nn.Module):
         self.gate_up = nn.Linear(HIDDEN, 2 * MLP, bias=False)
         self.down = nn.Linear(MLP, HIDDEN, bias=False)
 
-    def forward(self, h, k_cache, v_cache, cos, sin, pos: int):
+    def forward(self, h, kv_cache, cos, sin, pos: int):
         b = h.shape[0]
         q, k, v = self.qkv(self.input_norm(h)).view(b, 3, HEADS, HEAD_DIM).unbind(1)
-        a = getattr(torch.ops.decode_bench, attention_op)(rotate(q, cos, sin), rotate(k, cos, sin), v, k_cache, v_cache, pos)
+        kv = torch.stack((rotate(k, cos, sin), v), dim=1)
+        a = torch.ops.decode_bench.attention(rotate(q, cos, sin), kv, kv_cache, pos)
         h = h + self.o(a.reshape(b, HIDDEN))
         gate, up = self.gate_up(self.post_norm(h)).chunk(2, dim=-1)
         return h + self.down(F.silu(gate) * up)
@@ -127,11 +131,11 @@ class Decoder(nn.Module):
         self.register_buffer("cos", angles.cos())
         self.register_buffer("sin", angles.sin())
 
-    def forward(self, x, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], pos: int):
+    def forward(self, x, kv_caches: list[torch.Tensor], pos: int):
         cos, sin = self.cos[pos].to(x.dtype), self.sin[pos].to(x.dtype)
         h = x
-        for layer, kc, vc in zip(self.layers, k_caches, v_caches):
-            h = layer(h, kc, vc, cos, sin, pos)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(h, kv_cache, cos, sin, pos)
         return self.norm(h)
 
 
@@ -180,31 +184,37 @@ class HandGraphs:
         self.capture_s, self.capture_bytes, self.batches = 0.0, 0, batches
 
     def setup(self):
-        k, v = self.caches
         for b in sorted(self.batches, reverse=True):
             x = torch.randn(b, HIDDEN, dtype=DTYPE, device="cuda")
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(3):  # compile, autotune, warm
-                    self.compiled(x, k, v, POS)
+                    self.compiled(x, self.caches, POS)
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # torch.cuda.graph() empties the cache itself: measure from there
             before, start = torch.cuda.memory_reserved(), time.perf_counter()
             graph = torch.cuda.CUDAGraph()  # each in its own pool (torch.cuda.graph's default)
             with torch.cuda.graph(graph):
-                out = self.compiled(x, k, v, POS)
+                out = self.compiled(x, self.caches, POS)
             torch.cuda.synchronize()
             self.capture_s += time.perf_counter() - start
             self.capture_bytes += torch.cuda.memory_reserved() - before
             self.graphs[b], self.static_in[b], self.static_out[b] = graph, x, out
 
-    def __call__(self, x, k, v, pos):
+    def __call__(self, x, caches, pos):
         b = x.shape[0]
         self.static_in[b].copy_(x)
         self.graphs[b].replay()
         return self.static_out[b]
+
+
+def set_sdpa(name: str) -> None:
+    global sdpa
+    if name not in SDPA:
+        raise ValueError(f"--sdpa {name!r}: expected one of {tuple(SDPA)}")
+    sdpa = name
 
 
 def ext_config(mode: str, batches, cache_dir: str, fusion: bool = False, **overrides):
@@ -212,7 +222,7 @@ def ext_config(mode: str, batches, cache_dir: str, fusion: bool = False, **overr
     from torch_ext.backend.passes import FuseAddRMSNormPass
 
     return CompileConfig(
-        splitting_ops=(f"decode_bench::{attention_op}",), compile_sizes=tuple(batches), cache_dir=cache_dir,
+        splitting_ops=("decode_bench::attention",), compile_sizes=tuple(batches), cache_dir=cache_dir,
         cudagraph_mode=mode, cudagraph_capture_sizes=tuple(batches), guard_free_dispatch=True,
         post_grad_passes=(FuseAddRMSNormPass(),) if fusion else (), progress_bar=False, **overrides)
 
@@ -227,10 +237,8 @@ def build(layers: int, max_batch: int):
             p.normal_(0, 0.02)
     for buf in ("cos", "sin"):  # keep the rotary tables fp32 (cast per step, as HF does)
         setattr(model, buf, getattr(model, buf).float())
-    shape = (max_batch, HEADS, CONTEXT, HEAD_DIM)
-    k_caches = [torch.randn(shape, dtype=DTYPE, device="cuda") for _ in model.layers]
-    v_caches = [torch.randn(shape, dtype=DTYPE, device="cuda") for _ in model.layers]
-    return model, k_caches, v_caches
+    shape = (max_batch, 2, HEADS, CONTEXT, HEAD_DIM)
+    return model, [torch.randn(shape, dtype=DTYPE, device="cuda") for _ in model.layers]
 
 
 def main() -> int:
@@ -239,11 +247,9 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--skip", default="", help="comma-separated columns to leave out")
-    parser.add_argument("--attention", default="attention_lean", choices=ATTENTION_OPS,
-                        help="the attention op the model calls (see define_attention)")
+    parser.add_argument("--sdpa", default=sdpa, choices=tuple(SDPA), help="how the attention op attends (SDPA)")
     args = parser.parse_args()
-    global attention_op
-    attention_op = args.attention
+    set_sdpa(args.sdpa)
     if not torch.cuda.is_available():
         print("bench/decode.py measures CUDA graphs and needs a CUDA GPU; torch.cuda.is_available() is False "
               "here. Run it on a machine with an NVIDIA GPU.")
@@ -257,7 +263,7 @@ def main() -> int:
     logging.getLogger("torch_ext.backend.cudagraph").setLevel(logging.INFO)  # why a region runs without graphs
     batches = [int(b) for b in args.batches.split(",")]
     skip = set(filter(None, args.skip.split(",")))
-    model, k_caches, v_caches = build(args.layers, max(batches))
+    model, caches = build(args.layers, max(batches))
     bw = copy_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_bytes = {b: 2 * args.layers * b * HEADS * CONTEXT * HEAD_DIM * 2 for b in batches}
@@ -283,16 +289,16 @@ def main() -> int:
                 if b == max(batches):
                     torch._dynamo.mark_dynamic(x, 0)
                 with torch.no_grad():
-                    fn(x, k_caches, v_caches, POS)
+                    fn(x, caches, POS)
             torch.cuda.synchronize()
             ready = time.perf_counter() - start
             errs = {}
             with torch.no_grad():
                 for b in batches:
-                    expected = model(check[b], k_caches, v_caches, POS).clone()
-                    errs[b] = rel_err(fn(check[b], k_caches, v_caches, POS), expected)
+                    expected = model(check[b], caches, POS).clone()
+                    errs[b] = rel_err(fn(check[b], caches, POS), expected)
                     uncaptured = cudagraph_stats.uncaptured_runs
-                    results[(name, b)] = time_steps(lambda x: fn(x, k_caches, v_caches, POS), inputs[b], args.iters)
+                    results[(name, b)] = time_steps(lambda x: fn(x, caches, POS), inputs[b], args.iters)
                     if cudagraph_stats.uncaptured_runs != uncaptured:  # a region fell back to running without graphs
                         print(f"[{name}] B={b}: {cudagraph_stats.uncaptured_runs - uncaptured} uncaptured region runs "
                               "while timing (see the torch_ext.backend.cudagraph log)", flush=True)
@@ -322,8 +328,8 @@ def main() -> int:
             first = inputs[max(batches)][0]
             torch._dynamo.mark_dynamic(first, 0)
             with torch.no_grad():
-                fn(first, k_caches, v_caches, POS)  # compile (guard-free dispatch arms after it)
-                capture_sizes(lambda b: fn(inputs[b][1], k_caches, v_caches, POS), cfg)
+                fn(first, caches, POS)  # compile (guard-free dispatch arms after it)
+                capture_sizes(lambda b: fn(inputs[b][1], caches, POS), cfg)
 
         return compiled, capture
 
@@ -331,7 +337,7 @@ def main() -> int:
     run_column("compile", lambda: torch.compile(model, dynamic=True))
     run_column("reduce-overhead", lambda: torch.compile(model, mode="reduce-overhead", dynamic=True))
     hand = {}
-    run_column("hand-graph", lambda: hand.setdefault("g", HandGraphs(model, (k_caches, v_caches), batches)),
+    run_column("hand-graph", lambda: hand.setdefault("g", HandGraphs(model, caches, batches)),
                setup=lambda g: g.setup())
     for name, mode, fusion in (("ext-piecewise", "piecewise", False), ("ext-full", "full", False),
                                ("ext-pw+fusion", "piecewise", True)):

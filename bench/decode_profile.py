@@ -2,7 +2,7 @@
 ext-piecewise: host (CPU) cost per step and per component, GPU time of the captured graphs, and the
 kernels each variant runs.
 
-    python bench/decode_profile.py [--batches 1,128] [--layers 16] [--attention attention_lean]
+    python bench/decode_profile.py [--batches 1,128] [--layers 16] [--sdpa auto]
 
 Host cost: the GPU is kept busy by a queued sleep kernel while the host issues a few steps, so the
 host never waits on the GPU; host time per step is then what the CPU spends issuing it.
@@ -89,12 +89,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,128")
     parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--attention", default="attention_lean", choices=D.ATTENTION_OPS)
+    parser.add_argument("--sdpa", default=D.sdpa, choices=tuple(D.SDPA))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/decode_profile.py needs a CUDA GPU")
         return 0
-    D.attention_op = args.attention
+    D.set_sdpa(args.sdpa)
     D.define_attention()
 
     from torch_ext.backend import make_backend
@@ -102,41 +102,48 @@ def main() -> int:
     from torch_ext.backend.dispatch import GuardFreeDispatcher
 
     batches = [int(b) for b in args.batches.split(",")]
-    model, kc, vc = D.build(args.layers, max(batches))
+    model, caches = D.build(args.layers, max(batches))
     pos = D.POS
     inputs = {b: torch.randn(b, D.HIDDEN, dtype=D.DTYPE, device="cuda") for b in batches}
     cache_dir = tempfile.mkdtemp(prefix="torch_ext_profile_")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.layers} layers, op {args.attention}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.layers} layers, sdpa {args.sdpa}")
 
     # -- components, batch 1 ------------------------------------------------------------------------
     b = 1
-    q, k, v = (torch.randn(b, D.HEADS, D.HEAD_DIM, dtype=D.DTYPE, device="cuda") for _ in range(3))
+    q = torch.randn(b, D.HEADS, D.HEAD_DIM, dtype=D.DTYPE, device="cuda")
+    kv = torch.randn(b, 2, D.HEADS, D.HEAD_DIM, dtype=D.DTYPE, device="cuda")
     small = torch.randn(b, D.HIDDEN, dtype=D.DTYPE, device="cuda")
     dst = torch.empty_like(small)
-    ops = {name: getattr(torch.ops.decode_bench, name) for name in D.ATTENTION_OPS}
-    comp = {
-        "attention op (narrow/select impl)": lambda: ops["attention"](q, k, v, kc[0], vc[0], pos),
-        "attention op (lean impl)": lambda: ops["attention_lean"](q, k, v, kc[0], vc[0], pos),
-        "attention op .default overload": lambda: ops["attention_lean"].default(q, k, v, kc[0], vc[0], pos),
-        "F.sdpa alone": lambda: F.scaled_dot_product_attention(q[:, :, None], kc[0][:b], vc[0][:b]),
-        "flash attention direct": lambda: torch.ops.aten._scaled_dot_product_flash_attention(
-            q[:, :, None], kc[0][:b], vc[0][:b])[0],
-        "cache write (setitem)": lambda: kc[0].__setitem__((slice(None, b), slice(None), pos), k),
-        "copy_ (b x hidden)": lambda: dst.copy_(small),
-        "empty_like": lambda: torch.empty_like(small),
-        "view (x[:b])": lambda: small[:b],
-    }
-    print("\nHost cost of components at batch 1 (us per call):")
+    cache = caches[0]
+    op = torch.ops.decode_bench.attention.default
+    comp = {}
+    for name in D.SDPA:
+        comp[f"attention op, sdpa={name}"] = (name, lambda: op(q, kv, cache, pos))
+        comp[f"  its sdpa alone ({name})"] = (name, lambda n=name: D.SDPA[n](q[:, :, None], cache[:b, 0], cache[:b, 1]))
+    comp["cache write (one setitem)"] = (args.sdpa, lambda: cache.__setitem__((slice(None, b), slice(None), slice(None), pos), kv))
+    comp["copy_ (b x hidden)"] = (args.sdpa, lambda: dst.copy_(small))
+    comp["view (x[:b])"] = (args.sdpa, lambda: small[:b])
+    print("\nHost cost of components at batch 1 (us per call); output vs sdpa=auto:")
     with torch.no_grad():
-        for name, fn in comp.items():
-            print(f"  {name:36s} {host_us(lambda: [fn() for _ in range(16)], inner=2) / 16:7.2f}")
+        reference = None
+        for name, (backend, fn) in comp.items():
+            D.set_sdpa(backend)
+            try:
+                out = fn()
+                if name.startswith("attention op"):
+                    reference = out.clone() if reference is None else reference
+                    err = f"  rel err {((out.float() - reference.float()).norm() / reference.float().norm()).item():.1e}"
+                else:
+                    err = ""
+                print(f"  {name:36s} {host_us(lambda: [fn() for _ in range(16)], inner=2) / 16:7.2f}{err}")
+            except Exception as e:  # a backend this GPU or build lacks
+                print(f"  {name:36s} unavailable: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+    D.set_sdpa(args.sdpa)
 
     # -- the variants -------------------------------------------------------------------------------
-    hand = D.HandGraphs(model, (kc, vc), batches)
+    hand = D.HandGraphs(model, caches, batches)
     with torch.no_grad():
         hand.setup()
-        # kernels of its compiled code now: torch._dynamo.reset() below would make it recompile
-        hand_kernels = {b: kernels(lambda: hand.compiled(inputs[b], kc, vc, pos)) for b in batches}
     ext = {}
     for mode in ("piecewise", "full"):
         torch._dynamo.reset()
@@ -146,12 +153,12 @@ def main() -> int:
         first = inputs[max(batches)].clone()
         torch._dynamo.mark_dynamic(first, 0)
         with torch.no_grad():
-            fn(first, kc, vc, pos)
-            capture_sizes(lambda s: fn(inputs[s], kc, vc, pos), cfg)
+            fn(first, caches, pos)
+            capture_sizes(lambda s: fn(inputs[s], caches, pos), cfg)
         ext[mode] = (fn, backend)
-    steps = {"hand-graph": lambda x: hand(x, kc, vc, pos),
-             "ext-full": lambda x: ext["full"][0](x, kc, vc, pos),
-             "ext-piecewise": lambda x: ext["piecewise"][0](x, kc, vc, pos)}
+    steps = {"hand-graph": lambda x: hand(x, caches, pos),
+             "ext-full": lambda x: ext["full"][0](x, caches, pos),
+             "ext-piecewise": lambda x: ext["piecewise"][0](x, caches, pos)}
 
     print("\nPer step (us): host = CPU cost of issuing it; gpu = event time, steps back to back:")
     with torch.no_grad():
@@ -172,15 +179,6 @@ def main() -> int:
             cells = [f"hand {gpu_us(hand.graphs[b].replay):7.1f} ext-full {gpu_us(entry.graph.replay):7.1f}"
                      for _ in range(3)]
             print(f"  B={b:<4d} " + " | ".join(cells))
-
-    print("\nKernels without graphs (hand: torch.compile(dynamic=False); ext: the split graph at the capture size):")
-    with torch.no_grad():
-        for b in batches:
-            entry = full_runner._entries[b]
-            h = hand_kernels[b]
-            e = kernels(lambda: full_runner.runnable(*entry.static_args))
-            print_kernels(f"B={b} hand-graph", h)
-            print_kernels(f"B={b} ext-full", e)
 
     # -- piecewise host profile ---------------------------------------------------------------------
     runners = ext["piecewise"][1].cudagraphs.runners()
@@ -219,6 +217,16 @@ def main() -> int:
               f"raw graph.replay host {host_us(lambda: [plan.graph.replay() for _ in range(16)]) / 16:.2f} us, "
               f"graph GPU {gpu_us(plan.graph.replay):.1f} us; copies per replay {len(plan.copies)}, "
               f"reused inputs {len(plan.reused)}")
+    # Last: once torch.profiler has run, CUPTI slows every later launch on the host.
+    print("\nKernels without graphs (hand: torch.compile(dynamic=False); ext: the split graph at the capture size):")
+    with torch.no_grad():
+        for b in batches:
+            entry = full_runner._entries[b]
+            h = kernels(lambda: hand.compiled(inputs[b], caches, pos))  # recompiles (Inductor's cache hits)
+            e = kernels(lambda: full_runner.runnable(*entry.static_args))
+            print_kernels(f"B={b} hand-graph", h)
+            print_kernels(f"B={b} ext-full", e)
+
     return 0
 
 
