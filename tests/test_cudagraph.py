@@ -161,6 +161,40 @@ def test_residual_stream_is_read_in_place_and_attention_output_copied(fx_pieces)
         assert len(copied) == 1 and len(reused) == 1, (copied, reused)
 
 
+def test_a_reused_input_found_elsewhere_runs_without_the_graph(fx_pieces, monkeypatch):
+    from torch_ext.backend.cudagraph import CudaGraphRunner
+
+    model = cm.TinyDecoder(layers=3)
+    be = backend()
+    run_against_eager(model, torch.compile(model, backend=be), [5, 5, 5])  # warm-up, capture, replay
+    runner = next(r for r in be.cudagraphs.runners() if r.name.endswith("submod_2"))
+    (reused,) = runner._plans[5].reused
+    position, _, _, seen = reused
+    assert seen is not None  # the replay remembered the tensor the previous piece handed over
+
+    recorded = {}
+    original = CudaGraphRunner.__call__
+
+    def record(self, *a):
+        recorded.setdefault(self, a)
+        return original(self, *a)
+
+    monkeypatch.setattr(CudaGraphRunner, "__call__", record)
+    ek, ev = model.caches()
+    with torch.no_grad():  # same backend object: Dynamo's cache entry, the same runners
+        torch.compile(model, backend=be)(torch.randn(5, cm.D_MODEL), ek, ev, 3)
+    args = list(recorded[runner])
+    monkeypatch.setattr(CudaGraphRunner, "__call__", original)
+    with torch.no_grad():
+        expected = [t.clone() for t in runner.runnable(*args)]
+        args[position] = args[position].clone()  # same values, not in the graph's output any more
+        before = cudagraph_stats.uncaptured_runs
+        actual = runner(*args)
+    assert cudagraph_stats.uncaptured_runs == before + 1
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e)
+
+
 def test_outputs_that_leave_the_graph_stay_owned(fx_pieces):
     model = cm.TinyDecoder(layers=2)
     be = backend()
