@@ -48,8 +48,9 @@ def inputs():
 
 def compile_and_run(fn, passes, unfuse_default=False):
     spy = Spy()
+    # No Inductor FX-graph cache: a hit would skip the passes (and the spy).
     config = CompileConfig(cache_dir=None, post_grad_passes=(*passes, spy), unfuse_output_addmm=unfuse_default,
-                           progress_bar=False)
+                           progress_bar=False, inductor_options={"fx_graph_cache": False})
     out = torch.compile(fn, backend=make_backend(config), fullgraph=True)(*inputs())
     return out, spy.graphs[-1]
 

@@ -51,8 +51,10 @@ class UnfuseOutputAddmm(Pass):
                 with graph.inserting_before(node):
                     product = graph.call_function(aten.mm.default, (mat1, mat2))
                     total = graph.call_function(aten.add.Tensor, (product, x))
-                for new in (product, total):
-                    new.meta = dict(node.meta)  # same shape, dtype and (contiguous) strides
+                total.meta = dict(node.meta)  # the sum is what the addmm was
+                # The product gets a value of its own: sharing the sum's fake tensor would make later
+                # passes (which compare storages) take the two for aliases.
+                product.meta = dict(node.meta, val=aten.mm.default(mat1.meta["val"], mat2.meta["val"]))
                 node.replace_all_uses_with(total)
                 graph.erase_node(node)
                 self.unfused += 1
