@@ -92,3 +92,17 @@ def test_on_by_default_in_the_backend():
     assert [type(p) for p in pm.passes] == [UnfuseOutputAddmm]
     with pytest.raises(Exception, match="unfuse_output_addmm"):
         CompileConfig(unfuse_output_addmm="yes")
+
+
+def test_gradients_match_eager_with_the_pass_on_forward_and_backward():
+    unfuse = UnfuseOutputAddmm(devices=("cpu",))
+    config = CompileConfig(cache_dir=None, post_grad_passes=(unfuse,), unfuse_output_addmm=False,
+                           progress_bar=False, inductor_options={"fx_graph_cache": False})
+    compiled = torch.compile(residual_block, backend=make_backend(config), fullgraph=True)
+    eager_in = [t.requires_grad_() for t in inputs()]
+    compiled_in = [t.detach().clone().requires_grad_() for t in eager_in]
+    for outs in (residual_block(*eager_in), compiled(*compiled_in)):
+        (outs[0].square().sum() + outs[1].sum()).backward()
+    assert unfuse.unfused >= 2  # the forward's two residual addmms at least
+    for got, want in zip(compiled_in, eager_in):
+        torch.testing.assert_close(got.grad, want.grad)
