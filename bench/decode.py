@@ -76,16 +76,11 @@ def define_attention():
         b = q.shape[0]
         kv_cache[:b, :, :, pos] = kv
         cache = kv_cache[:b, :, :, :pos + 1]
-        return SDPA[sdpa](q[:, :, None], cache[:, 0], cache[:, 1])[:, :, 0]
+        attend = SDPA[sdpa] if q.is_cuda else SDPA["auto"]  # the direct backends are CUDA kernels
+        return attend(q[:, :, None], cache[:, 0], cache[:, 1])[:, :, 0]
 
-    def cpu_attention(q, kv, kv_cache, pos: int):
-        b = q.shape[0]
-        kv_cache[:b, :, :, pos] = kv
-        cache = kv_cache[:b, :, :, :pos + 1]
-        return F.scaled_dot_product_attention(q[:, :, None], cache[:, 0], cache[:, 1])[:, :, 0]
-
-    _LIB.impl("attention", attention, "CUDA")
-    _LIB.impl("attention", cpu_attention, "CPU")
+    for device in ("CUDA", "CPU"):
+        _LIB.impl("attention", attention, device)
     torch.library.register_fake("decode_bench::attention", lambda q, kv, kv_cache, pos: torch.empty_like(q), lib=_LIB)
 
 
@@ -225,14 +220,14 @@ def set_sdpa(name: str) -> None:
     sdpa = name
 
 
-def ext_config(mode: str, batches, cache_dir: str, fusion: bool = False, **overrides):
+def ext_config(mode: str, batches, cache_dir: str, fusion: bool = False):
     from torch_ext.backend import CompileConfig
     from torch_ext.backend.passes import FuseAddRMSNormPass
 
     return CompileConfig(
         splitting_ops=("decode_bench::attention",), compile_sizes=tuple(batches), cache_dir=cache_dir,
         cudagraph_mode=mode, cudagraph_capture_sizes=tuple(batches), guard_free_dispatch=True,
-        post_grad_passes=(FuseAddRMSNormPass(),) if fusion else (), progress_bar=False, **overrides)
+        post_grad_passes=(FuseAddRMSNormPass(),) if fusion else (), progress_bar=False)
 
 
 def build(layers: int, max_batch: int):
