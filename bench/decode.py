@@ -1,13 +1,15 @@
 """Decode-step benchmark: torch_ext's CUDA graphs against torch.compile, on one GPU.
 
     python bench/decode.py [--batches 1,8,32,128] [--iters 200] [--layers 16] [--rounds 5]
-                           [--skip compile,reduce-overhead] [--sdpa auto|efficient|flash|cudnn]
+                           [--skip compile,reduce-overhead] [--attention triton|auto|efficient|flash|cudnn]
 
 Model: a 16-layer Llama-style decoder (hidden 2048, 16 heads of 128, SwiGLU MLP 5632, RMSNorm,
 rotary), bf16, random weights, no embedding or LM head. One decode step at context 256: each of the
 B sequences writes its new k/v at position 255 of a preallocated KV cache (one tensor per layer,
-key and value stacked) and attends over 256 positions. The attention is an opaque custom op that
-writes the cache in place (the splitting op).
+key and value stacked) and attends over 256 positions. The attention is an opaque custom op (the
+splitting op) that writes the cache in place and its result into a buffer the model allocates
+just before the call; by default it is one Triton kernel (bench/decode_attention.py, checked
+against SDPA first), --attention picks an SDPA backend instead.
 
 Columns (median ms over CUDA-event timed steps, and that over the HBM floor):
   eager            the model as written
@@ -47,41 +49,52 @@ DTYPE = torch.bfloat16
 
 
 _LIB = None
-# How the attention op computes softmax(q k^T) v: torch's dispatcher picks ("auto": cuDNN on an
-# H200 with torch 2.11), or one backend called directly (skips the choice; fewer host calls).
+# How the attention op attends: "triton", one kernel that also writes the cache and writes into the
+# op's output buffer (bench/decode_attention.py); or softmax(q k^T) v through SDPA after a cache
+# write, copied into that buffer: "auto" lets torch's dispatcher pick (cuDNN on an H200 with torch
+# 2.11), the others call one SDPA backend directly (fewer host calls).
 SDPA = {
     "auto": lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
     "efficient": lambda q, k, v: torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, False)[0],
     "flash": lambda q, k, v: torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[0],
     "cudnn": lambda q, k, v: torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False)[0],
 }
-sdpa = "auto"
+ATTENTION = ("triton",) + tuple(SDPA)
+attention_impl = "triton"
 
 
 def define_attention():
     """The attention op, registered straight with the dispatcher (as vLLM's direct_register_custom_op
     does): torch.library.custom_op's Python autograd and alias handling cost tens of microseconds
-    per call, which piecewise graphs pay 16 times per step. It makes few host calls, as a serving
-    op would: piecewise CUDA graphs pay every host call of a splitting op on every step. One KV
-    cache tensor per layer (key and value stacked, as vLLM lays it out), written with one copy."""
+    per call, which piecewise graphs pay 16 times per step. It writes into `out`, allocated by the
+    model just before the call (vLLM's attention-with-output shape): under piecewise CUDA graphs
+    that buffer is an output of the graph before the op, so the graph after it reads the result
+    where it is instead of copying it into a static buffer. One KV cache tensor per layer (key and
+    value stacked, as vLLM lays it out)."""
     global _LIB
     if _LIB is not None:
         return
+    triton_attention = None
+    if torch.cuda.is_available():
+        from decode_attention import decode_attention as triton_attention
     _LIB = torch.library.Library("decode_bench", "DEF")
-    _LIB.define("attention(Tensor q, Tensor kv, Tensor(a!) kv_cache, int pos) -> Tensor")
+    _LIB.define("attention(Tensor q, Tensor kv, Tensor(a!) kv_cache, int pos, Tensor(b!) out) -> ()")
 
-    def attention(q, kv, kv_cache, pos: int):
-        """q: (B, heads, head_dim); kv: (B, 2, heads, head_dim), the new key and value;
+    def attention(q, kv, kv_cache, pos: int, out):
+        """q, out: (B, heads, head_dim); kv: (B, 2, heads, head_dim), the new key and value;
         kv_cache: (max_batch, 2, heads, context, head_dim)."""
+        if q.is_cuda and attention_impl == "triton":
+            triton_attention(q, kv, kv_cache, pos, out)
+            return
         b = q.shape[0]
         kv_cache[:b, :, :, pos] = kv
         cache = kv_cache[:b, :, :, :pos + 1]
-        attend = SDPA[sdpa] if q.is_cuda else SDPA["auto"]  # the direct backends are CUDA kernels
-        return attend(q[:, :, None], cache[:, 0], cache[:, 1])[:, :, 0]
+        attend = SDPA[attention_impl] if q.is_cuda and attention_impl in SDPA else SDPA["auto"]
+        out.copy_(attend(q[:, :, None], cache[:, 0], cache[:, 1])[:, :, 0])
 
     for device in ("CUDA", "CPU"):
         _LIB.impl("attention", attention, device)
-    torch.library.register_fake("decode_bench::attention", lambda q, kv, kv_cache, pos: torch.empty_like(q), lib=_LIB)
+    torch.library.register_fake("decode_bench::attention", lambda q, kv, kv_cache, pos, out: None, lib=_LIB)
 
 
 class RMSNorm(nn.Module):
@@ -114,7 +127,9 @@ class Layer(nn.Module):
         b = h.shape[0]
         q, k, v = self.qkv(self.input_norm(h)).view(b, 3, HEADS, HEAD_DIM).unbind(1)
         kv = torch.stack((rotate(k, cos, sin), v), dim=1)
-        a = torch.ops.decode_bench.attention(rotate(q, cos, sin), kv, kv_cache, pos)
+        q = rotate(q, cos, sin)
+        a = torch.empty_like(q)
+        torch.ops.decode_bench.attention(q, kv, kv_cache, pos, a)
         h = h + self.o(a.reshape(b, HIDDEN))
         gate, up = self.gate_up(self.post_norm(h)).chunk(2, dim=-1)
         return h + self.down(F.silu(gate) * up)
@@ -213,11 +228,11 @@ class HandGraphs:
 INTERLEAVED = ("hand-graph", "ext-piecewise", "ext-full", "ext-pw+fusion")
 
 
-def set_sdpa(name: str) -> None:
-    global sdpa
-    if name not in SDPA:
-        raise ValueError(f"--sdpa {name!r}: expected one of {tuple(SDPA)}")
-    sdpa = name
+def set_attention(name: str) -> None:
+    global attention_impl
+    if name not in ATTENTION:
+        raise ValueError(f"--attention {name!r}: expected one of {ATTENTION}")
+    attention_impl = name
 
 
 def ext_config(mode: str, batches, cache_dir: str, fusion: bool = False):
@@ -251,13 +266,23 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds for the ratios to hand-graph")
     parser.add_argument("--skip", default="", help="comma-separated columns to leave out")
-    parser.add_argument("--sdpa", default=sdpa, choices=tuple(SDPA), help="how the attention op attends (SDPA)")
+    parser.add_argument("--attention", default=attention_impl, choices=ATTENTION,
+                        help="how the attention op attends: one Triton kernel, or an SDPA backend")
     args = parser.parse_args()
-    set_sdpa(args.sdpa)
+    set_attention(args.attention)
     if not torch.cuda.is_available():
         print("bench/decode.py measures CUDA graphs and needs a CUDA GPU; torch.cuda.is_available() is False "
               "here. Run it on a machine with an NVIDIA GPU.")
         return 0
+
+    if args.attention == "triton":
+        from decode_attention import check
+
+        err = check("cuda")
+        print(f"attention kernel vs float64 SDPA: max rel err {err:.1e}", flush=True)
+        if not err < 1e-2:
+            print("ATTENTION KERNEL MISMATCH")
+            return 1
 
     import torch_ext.backend.dispatch as dispatch
     from torch_ext.backend.cudagraph import capture_sizes, cudagraph_stats

@@ -2,7 +2,7 @@
 ext-piecewise: host (CPU) cost per step and per component, GPU time of the captured graphs, and the
 kernels each variant runs.
 
-    python bench/decode_profile.py [--batches 1,128] [--layers 16] [--sdpa auto]
+    python bench/decode_profile.py [--batches 1,128] [--layers 16] [--attention triton]
 
 Host cost: the GPU is kept busy by a queued sleep kernel while the host issues a few steps, so the
 host never waits on the GPU; host time per step is then what the CPU spends issuing it.
@@ -89,12 +89,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,128")
     parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--sdpa", default=D.sdpa, choices=tuple(D.SDPA))
+    parser.add_argument("--attention", default=D.attention_impl, choices=D.ATTENTION)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/decode_profile.py needs a CUDA GPU")
         return 0
-    D.set_sdpa(args.sdpa)
+    D.set_attention(args.attention)
     D.define_attention()
 
     from torch_ext.backend import make_backend
@@ -106,7 +106,7 @@ def main() -> int:
     pos = D.POS
     inputs = {b: torch.randn(b, D.HIDDEN, dtype=D.DTYPE, device="cuda") for b in batches}
     cache_dir = tempfile.mkdtemp(prefix="torch_ext_profile_")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.layers} layers, sdpa {args.sdpa}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.layers} layers, attention {args.attention}")
 
     # -- components, batch 1 ------------------------------------------------------------------------
     b = 1
@@ -114,22 +114,24 @@ def main() -> int:
     kv = torch.randn(b, 2, D.HEADS, D.HEAD_DIM, dtype=D.DTYPE, device="cuda")
     small = torch.randn(b, D.HIDDEN, dtype=D.DTYPE, device="cuda")
     dst = torch.empty_like(small)
+    out = torch.empty_like(q)
     cache = caches[0]
     op = torch.ops.decode_bench.attention.default
     comp = {}
-    for name in D.SDPA:
-        comp[f"attention op, sdpa={name}"] = (name, lambda: op(q, kv, cache, pos))
-        comp[f"  its sdpa alone ({name})"] = (name, lambda n=name: D.SDPA[n](q[:, :, None], cache[:b, 0], cache[:b, 1]))
-    comp["cache write (one setitem)"] = (args.sdpa, lambda: cache.__setitem__((slice(None, b), slice(None), slice(None), pos), kv))
-    comp["copy_ (b x hidden)"] = (args.sdpa, lambda: dst.copy_(small))
-    comp["view (x[:b])"] = (args.sdpa, lambda: small[:b])
-    print("\nHost cost of components at batch 1 (us per call); output vs sdpa=auto:")
+    for name in D.ATTENTION:
+        comp[f"attention op, {name}"] = (name, lambda: op(q, kv, cache, pos, out))
+        if name in D.SDPA:
+            comp[f"  its sdpa alone ({name})"] = (name, lambda n=name: D.SDPA[n](q[:, :, None], cache[:b, 0], cache[:b, 1]))
+    comp["cache write (one setitem)"] = (args.attention, lambda: cache.__setitem__((slice(None, b), slice(None), slice(None), pos), kv))
+    comp["copy_ (b x hidden)"] = (args.attention, lambda: dst.copy_(small))
+    comp["view (x[:b])"] = (args.attention, lambda: small[:b])
+    print(f"\nHost cost of components at batch 1 (us per call); op output vs {D.ATTENTION[0]}:")
     with torch.no_grad():
         reference = None
         for name, (backend, fn) in comp.items():
-            D.set_sdpa(backend)
+            D.set_attention(backend)
             try:
-                out = fn()
+                fn()
                 if name.startswith("attention op"):
                     reference = out.clone() if reference is None else reference
                     err = f"  rel err {((out.float() - reference.float()).norm() / reference.float().norm()).item():.1e}"
@@ -138,7 +140,7 @@ def main() -> int:
                 print(f"  {name:36s} {host_us(lambda: [fn() for _ in range(16)], inner=2) / 16:7.2f}{err}")
             except Exception as e:  # a backend this GPU or build lacks
                 print(f"  {name:36s} unavailable: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-    D.set_sdpa(args.sdpa)
+    D.set_attention(args.attention)
 
     # -- the variants -------------------------------------------------------------------------------
     hand = D.HandGraphs(model, caches, batches)

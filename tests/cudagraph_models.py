@@ -35,9 +35,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     return torch.einsum("nht,nthd->nhd", scores.softmax(-1), values)
 
 
+@splitting_op("torch_ext_cg::decode_attention_into", mutates_args=("k_cache", "v_cache", "out"))
+def decode_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, pos: int, out: torch.Tensor) -> None:
+    """decode_attention writing its result into `out` (vLLM's attention-with-output shape)."""
+    out.copy_(decode_attention(q, k, v, k_cache, v_cache, pos))
+
+
 class Layer(nn.Module):
-    def __init__(self, d: int):
+    def __init__(self, d: int, attention_into: bool = False):
         super().__init__()
+        self.attention_into = attention_into
         self.norm1 = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.o = nn.Linear(d, d)
@@ -47,17 +55,21 @@ class Layer(nn.Module):
 
     def forward(self, h, k_cache, v_cache, pos: int):
         q, k, v = self.qkv(self.norm1(h)).view(h.shape[0], 3, HEADS, HEAD_DIM).unbind(1)
-        a = torch.ops.torch_ext_cg.decode_attention(q, k, v, k_cache, v_cache, pos)
+        if self.attention_into:  # the result buffer is allocated by the piece before the op
+            a = torch.empty_like(q)
+            torch.ops.torch_ext_cg.decode_attention_into(q, k, v, k_cache, v_cache, pos, a)
+        else:
+            a = torch.ops.torch_ext_cg.decode_attention(q, k, v, k_cache, v_cache, pos)
         h = h + self.o(a.reshape(h.shape[0], -1))
         return h + self.down(torch.nn.functional.gelu(self.up(self.norm2(h))))
 
 
 class TinyDecoder(nn.Module):
-    def __init__(self, layers: int = 2, d: int = D_MODEL):
+    def __init__(self, layers: int = 2, d: int = D_MODEL, attention_into: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Linear(d, d)
-        self.layers = nn.ModuleList(Layer(d) for _ in range(layers))
+        self.layers = nn.ModuleList(Layer(d, attention_into) for _ in range(layers))
         self.head = nn.Linear(d, d)
 
     def forward(self, x, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], pos: int):
@@ -72,7 +84,7 @@ class TinyDecoder(nn.Module):
         return make(), make()
 
 
-SPLITTING_OPS = ("torch_ext_cg::decode_attention",)
+SPLITTING_OPS = ("torch_ext_cg::decode_attention", "torch_ext_cg::decode_attention_into")
 
 
 class SimulatedGraph:

@@ -161,6 +161,24 @@ def test_residual_stream_is_read_in_place_and_attention_output_copied(fx_pieces)
         assert len(copied) == 1 and len(reused) == 1, (copied, reused)
 
 
+def test_a_splitting_op_writing_into_a_buffer_of_the_graph_before_it_costs_no_copy(fx_pieces):
+    # The attention-with-output shape: the model allocates the result (torch.empty_like) before
+    # the op, so the buffer is an output of the graph before it; the graph after reads it there.
+    model = cm.TinyDecoder(layers=3, attention_into=True)
+    be = backend()
+    run_against_eager(model, torch.compile(model, backend=be), [5, 5, 5, 6, 7, 2, 2, 2, 3])
+    middle = [r for r in be.cudagraphs.runners() if r.name.endswith(("submod_2", "submod_4"))]
+    assert len(middle) == 2
+    for runner in middle:
+        for size in (8, 2):
+            entry = runner._entries[size]
+            assert entry.graph is not None and not entry.buffers, {runner.inputs[i].name for i in entry.buffers}
+            assert len(entry.reused) == 2  # the residual stream and the attention result
+    first = next(r for r in be.cudagraphs.runners() if r.name.endswith("submod_0"))
+    assert set(first._entries[8].buffers) == {0}  # only the model's input is copied
+    assert cudagraph_stats.replays > 0
+
+
 def test_a_reused_input_found_elsewhere_runs_without_the_graph(fx_pieces, monkeypatch):
     from torch_ext.backend.cudagraph import CudaGraphRunner
 
