@@ -12,6 +12,7 @@ vLLM's unified_attention_with_output).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -20,52 +21,120 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode_attention(q, kv, cache, out, pos, scale,
+def _decode_attention(q, kv, cache, out, part, counter, pos, scale,
                       sq_b, sq_h, skv_b, skv_2, skv_h, sc_b, sc_2, sc_h, sc_t, so_b, so_h,
-                      HEAD_DIM: tl.constexpr, CONTEXT: tl.constexpr, BLOCK: tl.constexpr):
+                      HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+                      BLOCK: tl.constexpr, PART: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    split = tl.program_id(2)
     d = tl.arange(0, HEAD_DIM)
+    r = tl.arange(0, BLOCK)
     qv = tl.load(q + b * sq_b + h * sq_h + d).to(tl.float32) * scale
     k_new = tl.load(kv + b * skv_b + h * skv_h + d)
     v_new = tl.load(kv + b * skv_b + skv_2 + h * skv_h + d)
     keys = cache + b * sc_b + h * sc_h
     values = keys + sc_2
-    tl.store(keys + pos * sc_t + d, k_new)
-    tl.store(values + pos * sc_t + d, v_new)
-    # Position `pos` comes from registers: the stores above are not visible to the program's
-    # other threads without a barrier, so the loop reads only positions before it. The loop runs
-    # to the cache's length (a constant) with later blocks masked off: loads of masked rows
-    # move no bytes, and Triton's interpreter cannot loop to a runtime bound.
-    m = tl.sum(qv * k_new.to(tl.float32), axis=0)  # running max of the scores
-    l = tl.full((), 1.0, tl.float32)  # running sum of exp(score - m)
-    acc = v_new.to(tl.float32)
-    for start in range(0, CONTEXT, BLOCK):
-        t = start + tl.arange(0, BLOCK)
+    if split == 0:
+        tl.store(keys + pos * sc_t + d, k_new)
+        tl.store(values + pos * sc_t + d, v_new)
+    # Online softmax per row slot: slot r sees positions start + r of each block, so the loop
+    # needs no reduction across threads; the slots are folded once at the end. Position `pos`
+    # itself comes from registers (the stores above are not visible to other threads without a
+    # barrier), so the loop reads only positions before it.
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK], tl.float32)
+    acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    for start in tl.static_range(0, CHUNK, BLOCK):
+        t = split * CHUNK + start + r
         live = t < pos
         k = tl.load(keys + t[:, None] * sc_t + d[None, :], mask=live[:, None], other=0.0)
         v = tl.load(values + t[:, None] * sc_t + d[None, :], mask=live[:, None], other=0.0)
-        s = tl.where(live, tl.sum(k.to(tl.float32) * qv[None, :], axis=1), float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        p = tl.exp(s - m_new)
-        alpha = tl.exp(m - m_new)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        l = l * alpha + tl.sum(p, axis=0)
+        score = tl.where(live, tl.sum(k.to(tl.float32) * qv[None, :], axis=1), float("-inf"))
+        m_new = tl.maximum(m, score)
+        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))  # an empty slot stays empty
+        p = tl.where(live, tl.exp(score - m_new), 0.0)
+        l = l * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
         m = m_new
-    tl.store(out + b * so_b + h * so_h + d, (acc / l).to(out.dtype.element_ty))
+    s_new = tl.where(split == 0, tl.sum(qv * k_new.to(tl.float32), axis=0), float("-inf"))
+    top = tl.maximum(tl.max(m, axis=0), s_new)  # -inf only for a split past pos
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
+    w_new = tl.where(s_new == float("-inf"), 0.0, tl.exp(s_new - top))
+    l_sum = tl.sum(l * w, axis=0) + w_new
+    acc_sum = tl.sum(acc * w[:, None], axis=0) + w_new * v_new.to(tl.float32)
+    o = out + b * so_b + h * so_h + d
+    if SPLITS == 1:
+        tl.store(o, (acc_sum / l_sum).to(out.dtype.element_ty))
+    else:
+        # Flash-decoding in one launch: every split stores its partial result, and the last split
+        # of (b, h) to arrive (a counter, as CUTLASS's semaphores: barrier, then one release
+        # atomic) combines them and resets the counter for the next launch.
+        row = (b * HEADS + h) * SPLITS
+        tl.store(part + (row + split) * PART + d, acc_sum)
+        tl.store(part + (row + split) * PART + HEAD_DIM, top)
+        tl.store(part + (row + split) * PART + HEAD_DIM + 1, l_sum)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter + b * HEADS + h, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            i = tl.arange(0, SPLITS)
+            tops = tl.load(part + (row + i) * PART + HEAD_DIM, volatile=True)
+            sums = tl.load(part + (row + i) * PART + HEAD_DIM + 1, volatile=True)
+            accs = tl.load(part + (row + i)[:, None] * PART + d[None, :], volatile=True)
+            best = tl.max(tops, axis=0)
+            ws = tl.where(tops == float("-inf"), 0.0, tl.exp(tops - best))
+            tl.store(o, (tl.sum(accs * ws[:, None], axis=0) / tl.sum(sums * ws, axis=0)).to(out.dtype.element_ty))
+            tl.store(counter + b * HEADS + h, 0)
+
+
+# Per device: the partial results and arrival counters of split launches. Buffers only grow, and
+# an outgrown one stays allocated: CUDA graphs captured earlier keep its address.
+_workspaces: dict = {}
+
+
+def _workspace(device: torch.device, rows: int, part: int, counters: int):
+    kept = _workspaces.setdefault(device, [])
+    if kept and kept[-1][0].shape[0] >= rows and kept[-1][1].numel() >= counters:
+        return kept[-1]
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("decode_attention: its workspace must grow during CUDA-graph capture; call it once "
+                           "at the largest batch size before capturing")
+    size = max(rows, kept[-1][0].shape[0] if kept else 0)
+    n = max(counters, kept[-1][1].numel() if kept else 0)
+    kept.append((torch.empty(size, part, device=device, dtype=torch.float32),
+                 torch.zeros(n, device=device, dtype=torch.int32)))
+    return kept[-1]
+
+
+@functools.lru_cache(maxsize=None)
+def launch_config(batch: int, heads: int, context: int, device: torch.device) -> dict:
+    """Splits of the context per (sequence, head), positions per block, warps: enough programs to
+    fill the GPU at small batches (measured with `python bench/decode_attention.py --tune`)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 64
+    splits = 1
+    while batch * heads * splits * 2 <= 2 * sms and context // (splits * 2) >= 32:
+        splits *= 2
+    return {"splits": splits, "block": 32, "num_warps": 4}
 
 
 def decode_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, pos: int, out: torch.Tensor,
-                     block: int = 64, num_warps: int = 4) -> None:
+                     config: dict | None = None) -> None:
     """q, out: (B, heads, head_dim); kv: (B, 2, heads, head_dim), the step's key and value;
     kv_cache: (max_batch, 2, heads, context, head_dim). Writes kv_cache[:B, :, :, pos] and out."""
     b, heads, head_dim = q.shape
+    context = kv_cache.shape[3]
     assert kv_cache.stride(-1) == kv.stride(-1) == q.stride(-1) == out.stride(-1) == 1, "head_dim must be contiguous"
-    _decode_attention[(b, heads)](
-        q, kv, kv_cache, out, pos, 1.0 / math.sqrt(head_dim),
+    cfg = config or launch_config(b, heads, context, q.device)
+    splits, block = cfg["splits"], cfg["block"]
+    chunk = triton.cdiv(triton.cdiv(context, splits), block) * block
+    part_stride = head_dim + 4  # rows of 16-byte multiples
+    part, counter = _workspace(q.device, b * heads * splits, part_stride, b * heads) if splits > 1 else (out, out)
+    _decode_attention[(b, heads, splits)](
+        q, kv, kv_cache, out, part, counter, pos, 1.0 / math.sqrt(head_dim),
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, CONTEXT=kv_cache.shape[3], BLOCK=block, num_warps=num_warps)
+        HEADS=heads, HEAD_DIM=head_dim, SPLITS=splits, CHUNK=chunk, BLOCK=block, PART=part_stride,
+        num_warps=cfg["num_warps"])
 
 
 def reference(q, kv, kv_cache, pos: int) -> torch.Tensor:
@@ -76,29 +145,74 @@ def reference(q, kv, kv_cache, pos: int) -> torch.Tensor:
     return torch.nn.functional.scaled_dot_product_attention(q.double()[:, :, None], cache[:, 0], cache[:, 1])[:, :, 0]
 
 
-def check(device: str, dtype=torch.bfloat16, heads: int = 4, head_dim: int = 128, context: int = 200) -> float:
-    """Largest relative L2 error against `reference` over a few shapes; fresh random inputs, a
-    NaN-poisoned output, and the cache write checked too."""
+CONFIGS = [{"splits": s, "block": bl, "num_warps": w} for s in (1, 2, 4, 8, 16) for bl in (16, 32, 64) for w in (2, 4, 8)]
+
+
+def check(device: str, dtype=torch.bfloat16, configs=(None,), heads: int = 4, head_dim: int = 128,
+          context: int = 200, repeats: int = 1) -> float:
+    """Largest relative L2 error against `reference` over shapes and launch configs (None: the
+    default one); fresh random inputs, a NaN-poisoned output, the cache write checked too.
+    Repeated launches reuse the split counters: a counter left unreset, or a race in the
+    combine, shows up as a wrong or unwritten output."""
     worst = 0.0
-    for b, pos in ((1, 0), (3, 63), (5, 64), (2, context - 1)):
-        q = torch.randn(b, heads, head_dim, device=device, dtype=dtype)
-        kv = torch.randn(b, 2, heads, head_dim, device=device, dtype=dtype)
-        kv_cache = torch.randn(b + 2, 2, heads, context, head_dim, device=device, dtype=dtype)
-        before = kv_cache.clone()
-        out = torch.full_like(q, float("nan"))
-        expected = reference(q, kv, kv_cache, pos)
-        decode_attention(q, kv, kv_cache, pos, out)
-        after = before.clone()
-        after[:b, :, :, pos] = kv
-        assert torch.equal(kv_cache, after), f"cache write wrong at batch {b}, pos {pos}"
-        assert not out.isnan().any(), f"unwritten output at batch {b}, pos {pos}"
-        worst = max(worst, ((out.double() - expected).norm() / expected.norm()).item())
+    for cfg in configs:
+        for b, pos in ((1, 0), (3, 63), (5, 64), (2, context - 1)):
+            for _ in range(repeats):
+                q = torch.randn(b, heads, head_dim, device=device, dtype=dtype)
+                kv = torch.randn(b, 2, heads, head_dim, device=device, dtype=dtype)
+                kv_cache = torch.randn(b + 2, 2, heads, context, head_dim, device=device, dtype=dtype)
+                before = kv_cache.clone()
+                out = torch.full_like(q, float("nan"))
+                expected = reference(q, kv, kv_cache, pos)
+                decode_attention(q, kv, kv_cache, pos, out, cfg)
+                after = before.clone()
+                after[:b, :, :, pos] = kv
+                where = f"batch {b}, pos {pos}, config {cfg}"
+                assert torch.equal(kv_cache, after), f"cache write wrong at {where}"
+                assert not out.isnan().any(), f"unwritten output at {where}"
+                err = ((out.double() - expected).norm() / expected.norm()).item()
+                assert err < (1e-5 if dtype == torch.float32 else 1e-2), f"rel err {err:.1e} at {where}"
+                worst = max(worst, err)
     return worst
 
 
+def sdpa_op(q, kv, kv_cache, pos: int, out) -> None:
+    """The same op through a cache write and SDPA (what --attention auto runs): the peer to beat."""
+    b = q.shape[0]
+    kv_cache[:b, :, :, pos] = kv
+    cache = kv_cache[:b, :, :, :pos + 1]
+    out.copy_(torch.nn.functional.scaled_dot_product_attention(q[:, :, None], cache[:, 0], cache[:, 1])[:, :, 0])
+
+
+def tune(batches=(1, 8, 32, 128), heads: int = 16, head_dim: int = 128, context: int = 256) -> None:
+    """GPU time (CUDA-graph replays, so launch costs stay out) of every config against SDPA."""
+    from triton.testing import do_bench_cudagraph
+
+    for b in batches:
+        q = torch.randn(b, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(b, 2, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        cache = torch.randn(b, 2, heads, context, head_dim, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        floor = cache.numel() * 2 / 4.2e12 * 1e6  # us to read the cache once at ~4.2 TB/s
+        times = {"sdpa": do_bench_cudagraph(lambda: sdpa_op(q, kv, cache, context - 1, out)) * 1e3}
+        for cfg in CONFIGS + [None]:
+            decode_attention(q, kv, cache, context - 1, out, cfg)  # compile and grow the workspace outside capture
+            times[str(cfg)] = do_bench_cudagraph(lambda: decode_attention(q, kv, cache, context - 1, out, cfg)) * 1e3
+        best = sorted(times.items(), key=lambda kv_: kv_[1])
+        print(f"B={b}: cache read floor {floor:.1f} us; sdpa {times['sdpa']:.1f} us; default "
+              f"{launch_config(b, heads, context, q.device)} {times['None']:.1f} us; best: "
+              + "; ".join(f"{k} {t:.1f}" for k, t in best[:4]), flush=True)
+
+
 if __name__ == "__main__":
+    import sys
+
+    if "--tune" in sys.argv:
+        tune()
+        raise SystemExit(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    errs = {dtype: check(device, dtype) for dtype in (torch.float32, torch.bfloat16)}
-    for dtype, err in errs.items():
-        print(f"decode_attention vs float64 SDPA on {device}, {dtype}: max rel err {err:.2e}")
-    raise SystemExit(0 if errs[torch.float32] < 1e-5 and errs[torch.bfloat16] < 1e-2 else 1)
+    configs = CONFIGS + [None] if device == "cuda" else [None, CONFIGS[0], CONFIGS[-1], {"splits": 8, "block": 16, "num_warps": 4}]
+    for dtype in (torch.float32, torch.bfloat16):
+        err = check(device, dtype, configs, repeats=3 if device == "cuda" else 1)
+        print(f"decode_attention vs float64 SDPA on {device}, {dtype}, {len(configs)} launch configs: "
+              f"max rel err {err:.2e}")
