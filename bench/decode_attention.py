@@ -108,13 +108,17 @@ def _workspace(device: torch.device, rows: int, part: int, counters: int):
 
 @functools.lru_cache(maxsize=None)
 def launch_config(batch: int, heads: int, context: int, device: torch.device) -> dict:
-    """Splits of the context per (sequence, head), positions per block, warps: enough programs to
-    fill the GPU at small batches (measured with `python bench/decode_attention.py --tune`)."""
+    """Splits of the context per (sequence, head), positions per block, warps. Measured on an H200
+    (`python bench/decode_attention.py --tune`, 16 heads of 128, context 256): split until the
+    programs about fill the SMs; a GPU barely filled by (sequence, head) programs alone wants
+    more warps per program (more loads in flight); otherwise two warps over 32 positions."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 64
-    splits = 1
-    while batch * heads * splits * 2 <= 2 * sms and context // (splits * 2) >= 32:
+    programs, splits = batch * heads, 1
+    while programs * splits * 2 <= sms and context // (splits * 2) >= 32:
         splits *= 2
-    return {"splits": splits, "block": 32, "num_warps": 4}
+    if splits == 1 and programs < sms:
+        return {"splits": 1, "block": 16, "num_warps": 8}
+    return {"splits": splits, "block": 32, "num_warps": 2}
 
 
 def decode_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, pos: int, out: torch.Tensor,
@@ -201,7 +205,7 @@ def tune(batches=(1, 8, 32, 128), heads: int = 16, head_dim: int = 128, context:
         best = sorted(times.items(), key=lambda kv_: kv_[1])
         print(f"B={b}: cache read floor {floor:.1f} us; sdpa {times['sdpa']:.1f} us; default "
               f"{launch_config(b, heads, context, q.device)} {times['None']:.1f} us; best: "
-              + "; ".join(f"{k} {t:.1f}" for k, t in best[:4]), flush=True)
+              + "; ".join(f"{k} {t:.1f}" for k, t in best[:6]), flush=True)
 
 
 if __name__ == "__main__":
