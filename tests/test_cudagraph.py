@@ -146,10 +146,15 @@ def test_every_piece_of_a_size_captures_in_the_same_forward_call(fx_pieces):
     assert seen == [0, 0, 0, 3, 3, 3]
 
 
-def test_residual_stream_is_read_in_place_and_attention_output_copied(fx_pieces):
+def test_residual_stream_is_read_in_place_and_attention_output_copied(fx_pieces, caplog):
     model = cm.TinyDecoder(layers=3)
     be = backend()
-    run_against_eager(model, torch.compile(model, backend=be), [5, 5, 5, 6])
+    with caplog.at_level("INFO", logger="torch_ext.backend.cudagraph"):
+        run_against_eager(model, torch.compile(model, backend=be), [5, 5, 5, 6])
+    # The copy is named once per piece after an attention, with the op that made the tensor and the way out.
+    hints = [r.getMessage() for r in caplog.records if "copies input" in r.getMessage()]
+    assert len(hints) == 3 and all("(from torch_ext_cg.decode_attention)" in h and "empty_like" in h
+                                   for h in hints), hints
     middle = [r for r in be.cudagraphs.runners() if r.name.endswith(("submod_2", "submod_4"))]
     assert len(middle) == 2
     for runner in middle:
@@ -161,12 +166,14 @@ def test_residual_stream_is_read_in_place_and_attention_output_copied(fx_pieces)
         assert len(copied) == 1 and len(reused) == 1, (copied, reused)
 
 
-def test_a_splitting_op_writing_into_a_buffer_of_the_graph_before_it_costs_no_copy(fx_pieces):
+def test_a_splitting_op_writing_into_a_buffer_of_the_graph_before_it_costs_no_copy(fx_pieces, caplog):
     # The attention-with-output shape: the model allocates the result (torch.empty_like) before
     # the op, so the buffer is an output of the graph before it; the graph after reads it there.
     model = cm.TinyDecoder(layers=3, attention_into=True)
     be = backend()
-    run_against_eager(model, torch.compile(model, backend=be), [5, 5, 5, 6, 7, 2, 2, 2, 3])
+    with caplog.at_level("INFO", logger="torch_ext.backend.cudagraph"):
+        run_against_eager(model, torch.compile(model, backend=be), [5, 5, 5, 6, 7, 2, 2, 2, 3])
+    assert not [r for r in caplog.records if "copies input" in r.getMessage()]
     middle = [r for r in be.cudagraphs.runners() if r.name.endswith(("submod_2", "submod_4"))]
     assert len(middle) == 2
     for runner in middle:

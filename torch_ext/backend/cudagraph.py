@@ -383,6 +383,7 @@ class CudaGraphRunner:
         self._device: torch.device | None = None
         self._may_need_grad = any(s.kind == TENSOR for s in inputs)
         self.is_leader = False
+        self.made_by_splitting_op: dict[int, str] = {}  # input position -> the splitting op that returned it
         group.add(self)
 
     def __repr__(self) -> str:
@@ -563,6 +564,15 @@ class CudaGraphRunner:
             elif spec.role != COPIED:
                 entry.static_args[i] = args[i]
                 entry.addresses[i] = args[i].data_ptr()
+        copied = [(i, self.made_by_splitting_op[i]) for i in entry.buffers if i in self.made_by_splitting_op]
+        if copied:
+            self.manager.note_once(
+                ("copied", self.name), "torch_ext: %s copies %s into static buffers on every replay (%d bytes at "
+                "batch size %s): the splitting op allocates its result. A splitting op that writes into a buffer "
+                "the model allocates before the call (torch.empty_like, listed in mutates_args) leaves it in the "
+                "graph before, where the graph after reads it without a copy (README: CUDA graphs).", self.name,
+                ", ".join(f"input {i} '{self.inputs[i].name}' (from {op})" for i, op in copied),
+                sum(entry.buffers[i].untyped_storage().nbytes() for i, _ in copied), entry.size)
         back = self._fill(entry, n, args)
         try:
             graph, out = self.manager.capture(self.runnable, entry.static_args, self._device, self.name, entry.size)
@@ -753,6 +763,7 @@ class CudaGraphManager:
             exact = any(i in written and not s.batch_dims for i, s in enumerate(inputs) if s.kind == TENSOR)
             runner = CudaGraphRunner(group, piece, f"{info.name}/{node.target}", inputs, outputs, info.symbol,
                                      piece.single_output, _escaping(split_gm, node), exact, reason or out_reason)
+            runner.made_by_splitting_op = _made_by_splitting_op(split_gm, node)
             split_gm.__dict__[node.target] = runner
         return split_gm
 
@@ -837,6 +848,22 @@ class CudaGraphManager:
         cudagraph_stats.sizes.add(size)
         log.debug("torch_ext: captured %s in %.1f ms (+%d bytes reserved)", label, elapsed * 1e3, grown)
         return graph, out
+
+
+def _made_by_splitting_op(split_gm: fx.GraphModule, node: fx.Node) -> dict[int, str]:
+    """Inputs of a piece's call that a splitting op's partition returned, with that op's name."""
+    made = {}
+    for i, arg in enumerate(node.args):
+        source = arg.args[0] if isinstance(arg, fx.Node) and arg.target is operator.getitem else arg
+        if not (isinstance(source, fx.Node) and source.op == "call_module"):
+            continue
+        sub = split_gm._modules.get(source.target)
+        if isinstance(sub, fx.GraphModule) and not isinstance(split_gm.__dict__.get(source.target),
+                                                              (CompiledPiece, CudaGraphRunner)):
+            ops = [str(n.target) for n in sub.graph.nodes
+                   if isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))]
+            made[i] = ops[0] if ops else source.target
+    return made
 
 
 def _escaping(split_gm: fx.GraphModule, node: fx.Node) -> set[int]:
