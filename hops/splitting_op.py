@@ -13,6 +13,13 @@ Under the hood this is `torch.library.custom_op` plus `register_fake`: Dynamo re
 call, the backend runs it eagerly between compiled pieces, and it may mutate its inputs in place
 (say so in `mutates_args`). The fake implementation tells the compiler the output's shape and
 dtype without running the op; an op returning None needs none.
+
+`autograd=False` declares an inference-only op, registered straight with the dispatcher (as vLLM's
+direct_register_custom_op does): a call costs about what calling the function costs, where
+custom_op's Python autograd, view-tracking and alias-checking layers add 12-18 us per call under no_grad
+(`python bench/splitting_op_cost.py`), which piecewise CUDA graphs pay for every splitting op of
+every step. Such an op refuses inputs that require grad while grad mode is on (no gradient can be
+silently lost) and bumps the version counters of the tensors it mutates, as custom_op does.
 """
 from __future__ import annotations
 
@@ -39,9 +46,11 @@ def splitting_op(
     mutates_args: Iterable[str] = (),
     fake: Callable[..., Any] | None = None,
     device_types: str | Iterable[str] | None = None,
+    autograd: bool = True,
 ) -> Callable[[Callable[..., Any]], Any]:
     """Decorator: turn `fn` (type-annotated, like torch.library.custom_op wants) into the op
-    `qualname` ("namespace::name"); returns the op, callable like `fn`."""
+    `qualname` ("namespace::name"); returns the op, callable like `fn` (a CustomOpDef, which takes
+    `register_autograd`; with autograd=False the `torch.ops` overload packet)."""
     if not isinstance(qualname, str) or not _QUALNAME.match(qualname):
         raise ValueError(f"splitting_op: {qualname!r} is not a name of the form 'namespace::name', "
                          "e.g. 'mylib::attention'")
@@ -63,15 +72,69 @@ def splitting_op(
                 f"splitting_op({qualname!r}): {fn.__name__} returns {returns!r}, so the compiler needs a "
                 "fake implementation giving the output's shape and dtype: pass fake=..., e.g. "
                 "fake=lambda q, k, v, kv_cache: torch.empty_like(q)")
+        fake_fn = fake if fake is not None else _returns_none(fn)
+        if not autograd:
+            op = _register_inference_op(qualname, fn, mutates, device_types, fake_fn)
+            _declared.append(qualname)
+            return op
         try:
             op = torch.library.custom_op(qualname, mutates_args=mutates, device_types=device_types)(fn)
         except Exception as e:
             raise type(e)(f"splitting_op({qualname!r}): torch.library.custom_op refused {fn.__name__}: {e}") from e
-        op.register_fake(fake if fake is not None else _returns_none(fn))
+        op.register_fake(fake_fn)
         _declared.append(qualname)
         return op
 
     return decorate
+
+
+_libraries: list[torch.library.Library] = []  # registrations live as long as their Library object
+
+
+def _register_inference_op(qualname: str, fn: Callable[..., Any], mutates: tuple[str, ...],
+                           device_types: str | Iterable[str] | None, fake: Callable[..., Any]):
+    namespace, name = qualname.split("::")
+    try:
+        schema = torch.library.infer_schema(fn, mutates_args=mutates)
+        lib = torch.library.Library(namespace, "FRAGMENT")
+        lib.define(name + schema)
+    except Exception as e:
+        raise type(e)(f"splitting_op({qualname!r}, autograd=False): could not define the op from "
+                      f"{fn.__name__}: {e}") from e
+    _libraries.append(lib)
+    if device_types is None:
+        lib.impl(name, fn, "CompositeExplicitAutograd")
+    else:
+        for device_type in [device_types] if isinstance(device_types, str) else device_types:
+            lib.impl(name, fn, torch._C._dispatch_key_for_device(device_type))
+    packet = getattr(getattr(torch.ops, namespace), name)
+    overload = packet.default
+    params = list(inspect.signature(fn).parameters)
+    mutated = [(params.index(arg), arg) for arg in mutates]
+
+    def inference_kernel(*args, **kwargs):
+        """At the Autograd key: one Python call for the common case. Calls fn itself when fn
+        serves every device; device-specific kernels are reached by dispatching below autograd."""
+        if torch.is_grad_enabled():
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, torch.Tensor) and a.requires_grad:
+                    raise RuntimeError(
+                        f"{qualname} was declared with splitting_op(..., autograd=False) (inference only), "
+                        "but an input requires grad while grad mode is on, and the op has no gradient. Run "
+                        "it under torch.no_grad() or torch.inference_mode(), or declare it with "
+                        "autograd=True and register a formula with op.register_autograd(...).")
+        for i, arg in mutated:
+            t = args[i] if i < len(args) else kwargs.get(arg)
+            if isinstance(t, torch.Tensor) and not t.is_inference():
+                torch.autograd.graph.increment_version(t)
+        if device_types is None:
+            return fn(*args, **kwargs)
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return overload(*args, **kwargs)
+
+    lib.impl(name, inference_kernel, "Autograd")
+    torch.library.register_fake(qualname, fake, lib=lib)
+    return packet
 
 
 def _returns_none(fn: Callable[..., Any]) -> Callable[..., None]:

@@ -50,12 +50,17 @@ def _attention_fn_backward(ctx, grad):
 attention_fn.register_autograd(_attention_fn_backward, setup_context=_attention_fn_setup)
 
 
-@splitting_op("torch_ext_test::attention_out", mutates_args=("out", "kv_cache"))
-def attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                  out: torch.Tensor) -> None:
+def _attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                   out: torch.Tensor) -> None:
     """vLLM-style: returns nothing, writes the result into `out` and k into the cache."""
     kv_cache[: k.shape[0]].copy_(k)
     out.copy_(_attention_math(q, k, v))
+
+
+attention_out = splitting_op("torch_ext_test::attention_out", mutates_args=("out", "kv_cache"))(_attention_out)
+# The same function as an inference-only op (registered straight with the dispatcher).
+attention_out_inference = splitting_op("torch_ext_test::attention_out_inference", mutates_args=("out", "kv_cache"),
+                                       autograd=False)(_attention_out)
 
 
 class Layer(nn.Module):
@@ -74,9 +79,10 @@ class Layer(nn.Module):
         q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
         if self.kind == "cache":
             a = torch.ops.torch_ext_test.attention(q, k, v, kv_cache)
-        elif self.kind == "out":
+        elif self.kind in ("out", "out_inference"):
             a = torch.empty_like(q)
-            torch.ops.torch_ext_test.attention_out(q, k, v, kv_cache, a)
+            op = torch.ops.torch_ext_test.attention_out if self.kind == "out" else attention_out_inference
+            op(q, k, v, kv_cache, a)
         else:
             a = torch.ops.torch_ext_test.attention_fn(q, k, v)
         x = x + torch.nn.functional.gelu(self.proj(a))

@@ -16,7 +16,7 @@ ATOL = RTOL = 1e-5
 
 def config(**kwargs) -> CompileConfig:
     kwargs.setdefault("splitting_ops", ["torch_ext_test::attention", "torch_ext_test::attention_fn",
-                                        "torch_ext_test::attention_out"])
+                                        "torch_ext_test::attention_out", "torch_ext_test::attention_out_inference"])
     kwargs.setdefault("cache_dir", None)
     return CompileConfig(**kwargs)
 
@@ -125,6 +125,16 @@ def test_splitting_op_that_returns_nothing_and_writes_its_output():
     model = bm.Decoder(layers=2, kind="out")
     run_and_compare(model, torch.compile(model, backend=make_backend(config(compile_sizes=[4]))), [4, 6])
     assert counters.splitting_op_calls == 2
+
+
+def test_inference_only_splitting_op_matches_eager_and_refuses_training():
+    model = bm.Decoder(layers=2, kind="out_inference")
+    compiled = torch.compile(model, backend=make_backend(config(compile_sizes=[4])))
+    run_and_compare(model, compiled, [4, 6])  # under no_grad
+    assert counters.splitting_op_calls == 2
+    x = bm.batch(4, seed=9)
+    with pytest.raises(Exception, match=r"attention_out_inference.*autograd=False.*torch.no_grad"):
+        model(x, model.caches())  # the parameters require grad: the op refuses rather than drop gradients
 
 
 @pytest.mark.parametrize("nested", [False, True], ids=["plain_layers", "nested_compile_region"])

@@ -95,6 +95,32 @@ def test_splitting_op_declares_a_working_op():
         assert torch.ops.torch_ext_test.attention_out(fq, fq, fq, mode.from_tensor(cache), fq) is None
 
 
+def test_inference_only_splitting_op_is_a_dispatcher_op_that_guards_gradients():
+    from backend_models import attention_out_inference as op
+
+    assert isinstance(op, torch._ops.OpOverloadPacket) and "torch_ext_test::attention_out_inference" in \
+        declared_splitting_ops()
+    assert CompileConfig(splitting_ops=[op], cache_dir=None).splitting_ops == ("torch_ext_test::attention_out_inference",)
+    q, k, v = torch.randn(3, 4, 8).unbind(0)
+    cache, out = torch.zeros(6, 8), torch.empty(4, 8)
+    versions = cache._version, out._version
+    op(q, k, v, cache, out)
+    expected = torch.empty(4, 8)
+    torch.ops.torch_ext_test.attention_out(q, k, v, torch.zeros(6, 8), expected)
+    assert torch.equal(cache[:4], k) and torch.equal(out, expected)
+    assert cache._version > versions[0] and out._version > versions[1]  # autograd sees the writes
+    with torch._subclasses.FakeTensorMode() as mode:
+        fq = mode.from_tensor(q)
+        assert op(fq, fq, fq, mode.from_tensor(cache), fq) is None
+    w = q.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match=r"autograd=False.*requires grad.*register_autograd"):
+        op(w, k, v, cache, out)
+    with torch.no_grad():
+        op(w, k, v, cache, out)
+    with torch.inference_mode():
+        op(q.clone(), k.clone(), v.clone(), torch.zeros(6, 8), torch.empty(4, 8))
+
+
 def test_splitting_op_errors():
     with pytest.raises(ValueError, match="namespace::name"):
         splitting_op("attention")
