@@ -113,8 +113,8 @@ def _register_inference_op(qualname: str, fn: Callable[..., Any], mutates: tuple
     mutated = [(params.index(arg), arg) for arg in mutates]
 
     def inference_kernel(*args, **kwargs):
-        """At the Autograd key: one Python call for the common case. Calls fn itself when fn
-        serves every device; device-specific kernels are reached by dispatching below autograd."""
+        """At the Autograd key: check, then dispatch below autograd (fake tensors, functionalization
+        and other modes come after this key, so the op must go back through the dispatcher)."""
         if torch.is_grad_enabled():
             for a in (*args, *kwargs.values()):
                 if isinstance(a, torch.Tensor) and a.requires_grad:
@@ -127,8 +127,6 @@ def _register_inference_op(qualname: str, fn: Callable[..., Any], mutates: tuple
             t = args[i] if i < len(args) else kwargs.get(arg)
             if isinstance(t, torch.Tensor) and not t.is_inference():
                 torch.autograd.graph.increment_version(t)
-        if device_types is None:
-            return fn(*args, **kwargs)
         with torch._C._AutoDispatchBelowADInplaceOrView():
             return overload(*args, **kwargs)
 
