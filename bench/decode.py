@@ -48,7 +48,7 @@ POS = CONTEXT - 1
 DTYPE = torch.bfloat16
 
 
-_OP = None
+_LIB = None
 # How the attention op attends: "triton", one kernel that also writes the cache and writes into the
 # op's output buffer (bench/decode_attention.py); or softmax(q k^T) v through SDPA after a cache
 # write, copied into that buffer: "auto" lets torch's dispatcher pick (cuDNN on an H200 with torch
@@ -64,25 +64,26 @@ attention_impl = "triton"
 
 
 def define_attention():
-    """The attention op, declared inference-only (torch_ext's splitting_op(..., autograd=False):
-    registered straight with the dispatcher, as vLLM's direct_register_custom_op does) because
-    piecewise graphs pay its host cost 16 times per step; torch.library.custom_op's Python layers
-    would add 12-18 us per call (bench/splitting_op_cost.py). It writes into `out`, allocated by
-    the model just before the call (vLLM's attention-with-output shape): under piecewise CUDA
-    graphs that buffer is an output of the graph before the op, so the graph after it reads the
-    result where it is instead of copying it into a static buffer. One KV cache tensor per layer
-    (key and value stacked, as vLLM lays it out)."""
-    global _OP
-    if _OP is not None:
+    """The attention op, registered straight with the dispatcher at the CUDA and CPU keys (vLLM's
+    direct_register_custom_op): piecewise graphs pay its host cost 16 times per step, and at
+    batch 1 a step is about as host-bound as GPU-bound on the H200 machines. Per call this adds
+    about 3 us to calling the function; torch_ext's splitting_op(..., autograd=False), which also
+    guards gradients, about 8; torch.library.custom_op 18-30 (bench/splitting_op_cost.py). Safe
+    here: the benchmark runs without grads. It writes into `out`, allocated by the model just
+    before the call (vLLM's attention-with-output shape): under piecewise CUDA graphs that buffer
+    is an output of the graph before the op, so the graph after it reads the result where it is
+    instead of copying it into a static buffer. One KV cache tensor per layer (key and value
+    stacked, as vLLM lays it out)."""
+    global _LIB
+    if _LIB is not None:
         return
-    from torch_ext.hops.splitting_op import splitting_op
-
     triton_attention = None
     if torch.cuda.is_available():
         from decode_attention import decode_attention as triton_attention
+    _LIB = torch.library.Library("decode_bench", "DEF")
+    _LIB.define("attention(Tensor q, Tensor kv, Tensor(a!) kv_cache, int pos, Tensor(b!) out) -> ()")
 
-    @splitting_op("decode_bench::attention", mutates_args=("kv_cache", "out"), autograd=False)
-    def attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, pos: int, out: torch.Tensor) -> None:
+    def attention(q, kv, kv_cache, pos: int, out):
         """q, out: (B, heads, head_dim); kv: (B, 2, heads, head_dim), the new key and value;
         kv_cache: (max_batch, 2, heads, context, head_dim)."""
         if q.is_cuda and attention_impl == "triton":
@@ -94,7 +95,9 @@ def define_attention():
         attend = SDPA[attention_impl] if q.is_cuda and attention_impl in SDPA else SDPA["auto"]
         out.copy_(attend(q[:, :, None], cache[:, 0], cache[:, 1])[:, :, 0])
 
-    _OP = attention
+    for device in ("CUDA", "CPU"):
+        _LIB.impl("attention", attention, device)
+    torch.library.register_fake("decode_bench::attention", lambda q, kv, kv_cache, pos, out: None, lib=_LIB)
 
 
 class RMSNorm(nn.Module):
