@@ -27,6 +27,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # backend_models: the decoder and its op
 
+from table import print_table  # noqa: E402
+
 D_MODEL = 64
 BATCH = 8
 
@@ -145,15 +147,6 @@ def hop_table(root, layer_counts) -> None:
             print(f"  done: {hop_split} {layers} layers", file=sys.stderr, flush=True)
     print_table(("layers", "hop_split", "1st call cold s", "backend cold s", "run ms/iter", "pieces/unique",
                  "compiles"), rows)
-
-
-def print_table(header, rows) -> None:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda cells: "| " + " | ".join(str(c).rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    print(line(header))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        print(line(r))
 
 
 def main() -> None:

@@ -43,6 +43,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from table import print_table  # noqa: E402
+
 HIDDEN, HEADS, HEAD_DIM, MLP, CONTEXT, EPS = 2048, 16, 128, 5632, 256, 1e-6
 POS = CONTEXT - 1
 DTYPE = torch.bfloat16
@@ -394,12 +396,7 @@ def main() -> int:
             t = results.get((c, b))
             row.append("-" if t is None else f"{t:.3f} ({t / floor_ms[b]:.2f}x)")
         rows.append(row)
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-    fmt = lambda r: "| " + " | ".join(v.rjust(w) for v, w in zip(r, widths)) + " |"  # noqa: E731
-    print(fmt(header))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        print(fmt(r))
+    print_table(header, rows)
     print()
     for c in columns + [c for c in notes if c not in columns]:
         err = f"; max rel err vs eager {errors[c]:.1e}" if c in errors else ""

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from table import print_table  # noqa: E402
 from torch_ext.hops.splitting_op import splitting_op  # noqa: E402
 
 
@@ -89,12 +90,7 @@ def main() -> int:
                 t = statistics.median(times[(mode, peer, kind)])
                 row.append(f"{t:.2f}" if peer == "python fn" else f"{t:.2f} (+{t - base:.2f})")
             rows.append(row)
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-    fmt = lambda r: "| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |"  # noqa: E731
-    print(fmt(header))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        print(fmt(r))
+    print_table(header, rows)
     return 0
 
 
