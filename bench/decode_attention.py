@@ -136,21 +136,21 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, 
                      config: dict | None = None) -> None:
     """q, out: (B, heads, head_dim); kv: (B, 2, heads, head_dim), the step's key and value;
     kv_cache: (max_batch, 2, heads, context, head_dim). Writes kv_cache[:B, :, :, pos] and out."""
+    # Host time matters here (piecewise graphs pay this call 16 times per step): each stride tuple
+    # is read once.
     b, heads, head_dim = q.shape
-    context = kv_cache.shape[3]
-    assert kv_cache.stride(-1) == kv.stride(-1) == q.stride(-1) == out.stride(-1) == 1, "head_dim must be contiguous"
-    cfg = config or launch_config(b, heads, context, q.device)
+    sq, skv, sc, so = q.stride(), kv.stride(), kv_cache.stride(), out.stride()
+    assert sq[2] == skv[3] == sc[4] == so[2] == 1, "head_dim must be contiguous"
+    cfg = config or launch_config(b, heads, kv_cache.shape[3], q.device)
     splits, block = cfg["splits"], cfg["block"]
-    chunk = triton.cdiv(triton.cdiv(context, splits), block) * block
+    chunk = triton.cdiv(triton.cdiv(kv_cache.shape[3], splits), block) * block
     part_stride = head_dim + 4  # rows of 16-byte multiples
     part, counter = _workspace(q.device, b * heads * splits, part_stride, b * heads) if splits > 1 else (out, out)
     _decode_attention[(b, heads, splits)](
         q, kv, kv_cache, out, part, counter, pos, 1.0 / math.sqrt(head_dim),
-        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), out.stride(0), out.stride(1),
+        sq[0], sq[1], skv[0], skv[1], skv[2], sc[0], sc[1], sc[2], sc[3], so[0], so[1],
         HEADS=heads, HEAD_DIM=head_dim, SPLITS=splits, CHUNK=chunk, BLOCK=block, STAGES=cfg.get("stages", 0),
-        PART=part_stride,
-        num_warps=cfg["num_warps"])
+        PART=part_stride, num_warps=cfg["num_warps"])
 
 
 def reference(q, kv, kv_cache, pos: int) -> torch.Tensor:
