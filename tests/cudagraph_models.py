@@ -35,17 +35,24 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     return torch.einsum("nht,nthd->nhd", scores.softmax(-1), values)
 
 
-@splitting_op("torch_ext_cg::decode_attention_into", mutates_args=("k_cache", "v_cache", "out"))
-def decode_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, pos: int, out: torch.Tensor) -> None:
+def _decode_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, pos: int, out: torch.Tensor) -> None:
     """decode_attention writing its result into `out` (vLLM's attention-with-output shape)."""
     out.copy_(decode_attention(q, k, v, k_cache, v_cache, pos))
 
 
+ATTENTION_INTO = {  # how Layer's attention writes into a buffer: by op declaration
+    "into": splitting_op("torch_ext_cg::decode_attention_into",
+                         mutates_args=("k_cache", "v_cache", "out"))(_decode_attention_into),
+    "into_inference": splitting_op("torch_ext_cg::decode_attention_into_inference",
+                                   mutates_args=("k_cache", "v_cache", "out"), autograd=False)(_decode_attention_into),
+}
+
+
 class Layer(nn.Module):
-    def __init__(self, d: int, attention_into: bool = False):
+    def __init__(self, d: int, attention: str = "returns"):
         super().__init__()
-        self.attention_into = attention_into
+        self.attention = attention  # "returns" its result, or writes "into" a buffer (see ATTENTION_INTO)
         self.norm1 = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.o = nn.Linear(d, d)
@@ -55,9 +62,9 @@ class Layer(nn.Module):
 
     def forward(self, h, k_cache, v_cache, pos: int):
         q, k, v = self.qkv(self.norm1(h)).view(h.shape[0], 3, HEADS, HEAD_DIM).unbind(1)
-        if self.attention_into:  # the result buffer is allocated by the piece before the op
+        if self.attention != "returns":  # the result buffer is allocated by the piece before the op
             a = torch.empty_like(q)
-            torch.ops.torch_ext_cg.decode_attention_into(q, k, v, k_cache, v_cache, pos, a)
+            ATTENTION_INTO[self.attention](q, k, v, k_cache, v_cache, pos, a)
         else:
             a = torch.ops.torch_ext_cg.decode_attention(q, k, v, k_cache, v_cache, pos)
         h = h + self.o(a.reshape(h.shape[0], -1))
@@ -65,11 +72,11 @@ class Layer(nn.Module):
 
 
 class TinyDecoder(nn.Module):
-    def __init__(self, layers: int = 2, d: int = D_MODEL, attention_into: bool = False):
+    def __init__(self, layers: int = 2, d: int = D_MODEL, attention: str = "returns"):
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Linear(d, d)
-        self.layers = nn.ModuleList(Layer(d, attention_into) for _ in range(layers))
+        self.layers = nn.ModuleList(Layer(d, attention) for _ in range(layers))
         self.head = nn.Linear(d, d)
 
     def forward(self, x, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], pos: int):
@@ -84,7 +91,8 @@ class TinyDecoder(nn.Module):
         return make(), make()
 
 
-SPLITTING_OPS = ("torch_ext_cg::decode_attention", "torch_ext_cg::decode_attention_into")
+SPLITTING_OPS = ("torch_ext_cg::decode_attention", "torch_ext_cg::decode_attention_into",
+                 "torch_ext_cg::decode_attention_into_inference")
 
 
 class SimulatedGraph:

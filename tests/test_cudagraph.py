@@ -169,7 +169,7 @@ def test_residual_stream_is_read_in_place_and_attention_output_copied(fx_pieces,
 def test_a_splitting_op_writing_into_a_buffer_of_the_graph_before_it_costs_no_copy(fx_pieces, caplog):
     # The attention-with-output shape: the model allocates the result (torch.empty_like) before
     # the op, so the buffer is an output of the graph before it; the graph after reads it there.
-    model = cm.TinyDecoder(layers=3, attention_into=True)
+    model = cm.TinyDecoder(layers=3, attention="into")
     be = backend()
     with caplog.at_level("INFO", logger="torch_ext.backend.cudagraph"):
         run_against_eager(model, torch.compile(model, backend=be), [5, 5, 5, 6, 7, 2, 2, 2, 3])
@@ -184,6 +184,36 @@ def test_a_splitting_op_writing_into_a_buffer_of_the_graph_before_it_costs_no_co
     first = next(r for r in be.cudagraphs.runners() if r.name.endswith("submod_0"))
     assert set(first._entries[8].buffers) == {0}  # only the model's input is copied
     assert cudagraph_stats.replays > 0
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_inference_mode_replays_match_eager(fx_pieces, mode):
+    model = cm.TinyDecoder(layers=2, attention="into")
+    compiled = torch.compile(model, backend=backend(mode))
+    ek, ev = model.caches()
+    ck, cv = [t.clone() for t in ek], [t.clone() for t in ev]
+    with torch.inference_mode():
+        for i, n in enumerate([5, 5, 5, 3, 3, 7]):
+            x = torch.randn(n, cm.D_MODEL)
+            if i == 0:
+                torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x, ck, cv, 3), model(x, ek, ev, 3), msg=f"batch {n}")
+    assert cudagraph_stats.replays > 0
+
+
+@pytest.mark.parametrize("attention, hinted", [("into", True), ("into_inference", False)])
+def test_a_custom_op_splitting_op_gets_a_host_cost_hint(fx_pieces, caplog, attention, hinted):
+    model = cm.TinyDecoder(layers=2, attention=attention)
+    with caplog.at_level("INFO", logger="torch_ext.backend.cudagraph"):
+        with torch.no_grad():
+            x = torch.randn(3, cm.D_MODEL)
+            torch._dynamo.mark_dynamic(x, 0)
+            k, v = model.caches()
+            torch.compile(model, backend=backend())(x, k, v, 3)
+    hints = [r.getMessage() for r in caplog.records if "is a torch.library.custom_op" in r.getMessage()]
+    assert len(hints) == (1 if hinted else 0), hints
+    if hinted:
+        assert "torch_ext_cg::decode_attention_into " in hints[0] and "autograd=False" in hints[0]
 
 
 def test_a_reused_input_found_elsewhere_runs_without_the_graph(fx_pieces, monkeypatch):

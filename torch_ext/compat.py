@@ -150,3 +150,12 @@ def non_owning_storage(data_ptr: int, device: torch.device, nbytes: int):
     """A storage over memory it does not own (torch's cudagraph trees use the same private helper,
     present from 2.9.1 to 2.13): captured outputs kept this way let the graph pool reuse them."""
     return torch._C._construct_storage_from_data_pointer(data_ptr, device, nbytes)
+
+
+def is_python_custom_op(qualname: str) -> bool:
+    """Whether the op "ns::name" was defined with torch.library.custom_op (its kernels run through
+    Python autograd and alias-checking layers). The registry of such ops is private, present from
+    2.9.1 to 2.13."""
+    from torch._library import custom_ops
+
+    return qualname in getattr(custom_ops, "OPDEFS", {})

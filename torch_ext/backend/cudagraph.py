@@ -751,6 +751,7 @@ class CudaGraphManager:
             if not isinstance(piece, CompiledPiece):
                 sub = split_gm._modules.get(node.target)
                 if isinstance(sub, fx.GraphModule):
+                    self._note_slow_splitting_ops(sub)
                     # A splitting op's partition runs eagerly between two replays, on the critical
                     # path: call its code without nn.Module.__call__ (no hooks on these partitions).
                     split_gm.__dict__[node.target] = sub.forward
@@ -766,6 +767,19 @@ class CudaGraphManager:
             runner.made_by_splitting_op = _made_by_splitting_op(split_gm, node)
             split_gm.__dict__[node.target] = runner
         return split_gm
+
+    def _note_slow_splitting_ops(self, partition: fx.GraphModule) -> None:
+        for n in partition.graph.nodes:
+            if isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+                qualname = n.target.name().split(".")[0] if isinstance(n.target, torch._ops.OpOverload) \
+                    else n.target._qualified_op_name
+                if compat.is_python_custom_op(qualname):
+                    self.note_once(
+                        ("custom_op", qualname), "torch_ext: splitting op %s is a torch.library.custom_op: outside "
+                        "torch.inference_mode() its Python dispatch layers add 14-23 us of host time per call "
+                        "(bench/splitting_op_cost.py), paid between the graphs on every step. For serving, declare "
+                        "it with torch_ext.hops.splitting_op.splitting_op(..., autograd=False) or run under "
+                        "torch.inference_mode().", qualname)
 
     def _input_specs(self, arg_nodes: list, values: list, info: GraphInfo, written: dict | None):
         """Specs of a region's inputs; `written` = inputs the region writes (None: the whole graph)."""
