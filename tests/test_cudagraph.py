@@ -153,7 +153,7 @@ def test_residual_stream_is_read_in_place_and_attention_output_copied(fx_pieces,
         run_against_eager(model, torch.compile(model, backend=be), [5, 5, 5, 6])
     # The copy is named once per piece after an attention, with the op that made the tensor and the way out.
     hints = [r.getMessage() for r in caplog.records if "copies input" in r.getMessage()]
-    assert len(hints) == 3 and all("(from torch_ext_cg.decode_attention)" in h and "empty_like" in h
+    assert len(hints) == 3 and all("(from torch_ext_cg::decode_attention)" in h and "empty_like" in h
                                    for h in hints), hints
     middle = [r for r in be.cudagraphs.runners() if r.name.endswith(("submod_2", "submod_4"))]
     assert len(middle) == 2

@@ -769,17 +769,14 @@ class CudaGraphManager:
         return split_gm
 
     def _note_slow_splitting_ops(self, partition: fx.GraphModule) -> None:
-        for n in partition.graph.nodes:
-            if isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-                qualname = n.target.name().split(".")[0] if isinstance(n.target, torch._ops.OpOverload) \
-                    else n.target._qualified_op_name
-                if compat.is_python_custom_op(qualname):
-                    self.note_once(
-                        ("custom_op", qualname), "torch_ext: splitting op %s is a torch.library.custom_op: outside "
-                        "torch.inference_mode() its Python dispatch layers add 14-23 us of host time per call "
-                        "(bench/splitting_op_cost.py), paid between the graphs on every step. For serving, declare "
-                        "it with torch_ext.hops.splitting_op.splitting_op(..., autograd=False) or run under "
-                        "torch.inference_mode().", qualname)
+        for qualname in _ops_called(partition):
+            if compat.is_python_custom_op(qualname):
+                self.note_once(
+                    ("custom_op", qualname), "torch_ext: splitting op %s is a torch.library.custom_op: outside "
+                    "torch.inference_mode() its Python dispatch layers add 14-23 us of host time per call "
+                    "(bench/splitting_op_cost.py), paid between the graphs on every step. For serving, declare "
+                    "it with torch_ext.hops.splitting_op.splitting_op(..., autograd=False) or run under "
+                    "torch.inference_mode().", qualname)
 
     def _input_specs(self, arg_nodes: list, values: list, info: GraphInfo, written: dict | None):
         """Specs of a region's inputs; `written` = inputs the region writes (None: the whole graph)."""
@@ -874,10 +871,15 @@ def _made_by_splitting_op(split_gm: fx.GraphModule, node: fx.Node) -> dict[int, 
         sub = split_gm._modules.get(source.target)
         if isinstance(sub, fx.GraphModule) and not isinstance(split_gm.__dict__.get(source.target),
                                                               (CompiledPiece, CudaGraphRunner)):
-            ops = [str(n.target) for n in sub.graph.nodes
-                   if isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))]
+            ops = _ops_called(sub)
             made[i] = ops[0] if ops else source.target
     return made
+
+
+def _ops_called(gm: fx.GraphModule) -> list[str]:
+    """Names ("ns::name") of the operators a graph calls, in order."""
+    ops = [n.target for n in gm.graph.nodes if isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))]
+    return [op.name().split(".")[0] if isinstance(op, torch._ops.OpOverload) else op._qualified_op_name for op in ops]
 
 
 def _escaping(split_gm: fx.GraphModule, node: fx.Node) -> set[int]:
