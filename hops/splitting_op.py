@@ -117,23 +117,34 @@ def _register_inference_op(qualname: str, fn: Callable[..., Any], mutates: tuple
         """At the Autograd key: check, then dispatch below autograd (fake tensors, functionalization
         and other modes come after this key, so the op must go back through the dispatcher)."""
         if torch.is_grad_enabled():
-            for a in (*args, *kwargs.values()):
-                if isinstance(a, torch.Tensor) and a.requires_grad:
+            for a in _tensors((*args, *kwargs.values())):
+                if a.requires_grad:
                     raise RuntimeError(
                         f"{qualname} was declared with splitting_op(..., autograd=False) (inference only), "
                         "but an input requires grad while grad mode is on, and the op has no gradient. Run "
                         "it under torch.no_grad() or torch.inference_mode(), or declare it with "
                         "autograd=True and register a formula with op.register_autograd(...).")
         for i, arg in mutated:
-            t = args[i] if i < len(args) else kwargs.get(arg)
-            if isinstance(t, torch.Tensor) and not t.is_inference():
-                torch.autograd.graph.increment_version(t)
+            for t in _tensors((args[i] if i < len(args) else kwargs.get(arg),)):
+                if not t.is_inference():
+                    torch.autograd.graph.increment_version(t)
         with torch._C._AutoDispatchBelowADInplaceOrView():
             return overload(*args, **kwargs)
 
     lib.impl(name, inference_kernel, "Autograd")
     torch.library.register_fake(qualname, fake, lib=lib)
     return packet
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    """The tensors among values, including those inside list arguments (schema Tensor[])."""
+    found = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found.extend(t for t in v if isinstance(t, torch.Tensor))
+    return found
 
 
 def _returns_none(fn: Callable[..., Any]) -> Callable[..., None]:

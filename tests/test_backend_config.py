@@ -121,6 +121,21 @@ def test_inference_only_splitting_op_is_a_dispatcher_op_that_guards_gradients():
         op(q.clone(), k.clone(), v.clone(), torch.zeros(6, 8), torch.empty(4, 8))
 
 
+def test_inference_only_splitting_op_checks_tensors_inside_lists():
+    @splitting_op("torch_ext_test::sum_into", mutates_args=("outs",), autograd=False)
+    def sum_into(xs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        for x, out in zip(xs, outs):
+            out.copy_(x.sum(0))
+
+    xs, outs = [torch.randn(3, 4), torch.randn(3, 4)], [torch.empty(4), torch.empty(4)]
+    versions = [o._version for o in outs]
+    sum_into(xs, outs)
+    assert all(torch.equal(o, x.sum(0)) for o, x in zip(outs, xs))
+    assert all(o._version > v for o, v in zip(outs, versions))
+    with pytest.raises(RuntimeError, match="requires grad"):  # a list element needing grad is no exception
+        sum_into([xs[0], xs[1].clone().requires_grad_()], outs)
+
+
 def test_splitting_op_errors():
     with pytest.raises(ValueError, match="namespace::name"):
         splitting_op("attention")
