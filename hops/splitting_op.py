@@ -74,15 +74,14 @@ def splitting_op(
                 "fake implementation giving the output's shape and dtype: pass fake=..., e.g. "
                 "fake=lambda q, k, v, kv_cache: torch.empty_like(q)")
         fake_fn = fake if fake is not None else _returns_none(fn)
-        if not autograd:
+        if autograd:
+            try:
+                op = torch.library.custom_op(qualname, mutates_args=mutates, device_types=device_types)(fn)
+            except Exception as e:
+                raise type(e)(f"splitting_op({qualname!r}): torch.library.custom_op refused {fn.__name__}: {e}") from e
+            op.register_fake(fake_fn)
+        else:
             op = _register_inference_op(qualname, fn, mutates, device_types, fake_fn)
-            _declared.append(qualname)
-            return op
-        try:
-            op = torch.library.custom_op(qualname, mutates_args=mutates, device_types=device_types)(fn)
-        except Exception as e:
-            raise type(e)(f"splitting_op({qualname!r}): torch.library.custom_op refused {fn.__name__}: {e}") from e
-        op.register_fake(fake_fn)
         _declared.append(qualname)
         return op
 
