@@ -1,31 +1,28 @@
-# `make test` runs the whole suite on both supported torch versions, each in its own venv.
+# `make test` runs the whole suite on every supported torch version, each in its own venv.
+# The newest tested torch is the default venv (demo, bench).
 PY ?= python3
-VENV := .venv
-VENV29 := .venv-torch2.9
+VERSIONS := 2.14.1 2.13.0 2.9.1
+NEWEST := 2.14.1
 PYTEST_ARGS ?=
 DEPS := expecttest pytest depyf tqdm numpy setuptools wheel
 
-.PHONY: test test-213 test-29 demo bench clean
+venv = .venv-torch$(1)
+VENV := $(call venv,$(NEWEST))
 
-test: test-213 test-29
+.PHONY: test demo bench clean $(addprefix test-,$(VERSIONS))
 
-$(VENV)/.ready: setup.py pyproject.toml
-	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install -q torch==2.13.0 $(DEPS)
-	$(VENV)/bin/pip install -q --no-build-isolation --no-deps -e .
+test: $(addprefix test-,$(VERSIONS))
+
+# One venv per torch version; the stamp file says it is complete.
+.PRECIOUS: .venv-torch%/.ready
+.venv-torch%/.ready: setup.py pyproject.toml
+	test -x $(call venv,$*)/bin/python || $(PY) -m venv $(call venv,$*)
+	$(call venv,$*)/bin/pip install -q torch==$* $(DEPS)
+	$(call venv,$*)/bin/pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
-$(VENV29)/.ready: setup.py pyproject.toml
-	test -x $(VENV29)/bin/python || $(PY) -m venv $(VENV29)
-	$(VENV29)/bin/pip install -q torch==2.9.1 $(DEPS)
-	$(VENV29)/bin/pip install -q --no-build-isolation --no-deps -e .
-	touch $@
-
-test-213: $(VENV)/.ready
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
-
-test-29: $(VENV29)/.ready
-	$(VENV29)/bin/pytest -q $(PYTEST_ARGS)
+$(addprefix test-,$(VERSIONS)): test-%: .venv-torch%/.ready
+	$(call venv,$*)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 demo: $(VENV)/.ready
 	$(VENV)/bin/python -m torch_ext demo
@@ -35,4 +32,4 @@ bench: $(VENV)/.ready
 	$(VENV)/bin/python bench/compile_time.py
 
 clean:
-	rm -rf $(VENV) $(VENV29) *.egg-info
+	rm -rf $(foreach v,$(VERSIONS),$(call venv,$(v))) *.egg-info
