@@ -159,3 +159,52 @@ def is_python_custom_op(qualname: str) -> bool:
     from torch._library import custom_ops
 
     return qualname in getattr(custom_ops, "OPDEFS", {})
+
+
+# --- Python floats Dynamo left symbolic (backend/backend.py) -------------------------------------
+
+def floats_to_specialize(example_inputs) -> list[str]:
+    """Names ("zf0") of the Python floats Dynamo passed as 0-d tensors and read back with `.item()`
+    (torch.compile(dynamic=True) leaves floats unspecialized on every supported version) that no
+    restart has asked to specialize yet. The shape env keeps their values in `var_to_val` (2.9.1)
+    or `backed_var_to_val` (2.13+)."""
+    from torch._dynamo.symbolic_convert import TensorifyState
+    from torch._guards import detect_fake_mode
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    shape_env = getattr(detect_fake_mode(example_inputs), "shape_env", None)
+    if shape_env is None:
+        return []
+    values = getattr(shape_env, "backed_var_to_val", None)
+    if values is None:
+        values = shape_env.var_to_val
+    names = (str(s) for s in values if symbol_is_type(s, SymT.FLOAT))
+    return sorted(name for name in names if not TensorifyState.should_specialize(name))
+
+
+def specialized_float(item_node) -> float | None:
+    """If `item_node` is `t.item()` of a Python float Dynamo passed as a 0-d tensor `t`, and a restart
+    asked for that float to be specialized, its value (guarded on, like Dynamo's own
+    `remove_tensorify_specialized_graphargs` does for top-level uses); else None. Dynamo only
+    specializes uses in the root graph; uses inside HOP bodies are ours to replace."""
+    from torch._dynamo.symbolic_convert import TensorifyState
+    from torch.fx.experimental.symbolic_shapes import guard_scalar
+
+    if item_node.op != "call_method" or item_node.target != "item" or not item_node.args:
+        return None
+    memo = getattr(item_node.args[0].meta.get("example_value"), "item_memo", None)
+    name = getattr(getattr(memo, "node", None), "_expr", None)
+    if memo is None or not hasattr(name, "name") or not TensorifyState.should_specialize(name.name):
+        return None
+    return guard_scalar(memo)
+
+
+def restart_with_floats_specialized(names: list[str]):
+    """Make Dynamo trace the frame again with these floats as constants, the way Inductor's own
+    `tensorify_python_scalars` pass does when it cannot keep a float symbolic."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    from torch._dynamo.symbolic_convert import TensorifyState
+
+    for name in names:
+        TensorifyState.specialize(name)
+    raise TensorifyScalarRestartAnalysis

@@ -190,6 +190,23 @@ def _explicit_inputs_first(graph: torch.fx.Graph, lifted: dict, explicit: list) 
     return dict(order)
 
 
+def _specialize_floats(graph: torch.fx.Graph, lifted: dict) -> dict:
+    """Python floats a restart asked Dynamo to specialize (see compat.specialized_float) become
+    constants of the body; the 0-d tensors that carried them stop being inputs."""
+    freed = set()
+    for node in list(graph.find_nodes(op="call_method", target="item")):
+        value = compat.specialized_float(node)
+        if value is None or any(user.op == "output" for user in node.users):
+            continue
+        freed.add(node.args[0])
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)
+    unused = {node for node in freed if node.op == "placeholder" and not node.users}
+    for node in unused:
+        graph.erase_node(node)
+    return {outer: inner for outer, inner in lifted.items() if inner.node not in unused}
+
+
 def _check_aliasing_and_mutation(subtracer, graph, opts: BodyOptions) -> None:
     if not opts.supports_input_mutation:
         info = subtracer.has_input_mutation()
@@ -250,6 +267,7 @@ def speculate(tx, source_target, fn_vt, args: list, kwargs: dict, opts: BodyOpti
         proxies = tuple(group[0].as_proxy() for group in output_vts)
         tx.output.create_node("output", "output", subtracer.create_arg((proxies,)), {})
         graph = subtracer.graph
+        lifted = _specialize_floats(graph, lifted)
         graph.lint()
         _check_aliasing_and_mutation(subtracer, graph, opts)
 

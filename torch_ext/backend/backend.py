@@ -13,6 +13,7 @@ import time
 import torch
 import torch.fx as fx
 
+from torch_ext import compat
 from torch_ext.backend import dump
 from torch_ext.backend.builder import PieceGroup, VariantBuilder
 from torch_ext.backend.cache import ArtifactStore, UnsafeCacheDirError, ensure_private_dir, model_key
@@ -42,6 +43,12 @@ class TorchExtBackend:
         return f"TorchExtBackend({self.config})"
 
     def __call__(self, gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
+        floats = compat.floats_to_specialize(example_inputs)
+        if floats:
+            # Pieces are compiled apart, some with real tensors of one size, where a Python float
+            # read back from a 0-d tensor input cannot stay symbolic: trace again with it constant.
+            log.info("torch_ext: specializing Python float inputs %s (Dynamo traces the frame again)", floats)
+            compat.restart_with_floats_specialized(floats)
         start = time.perf_counter()
         before = counters.snapshot()
         index = self._graphs
