@@ -21,6 +21,13 @@ TORCH_HAS_WRAP_SEMANTICS = hasattr(_hops, "speculate_subgraph_with_auto_output_f
 # torch 2.9.1's invoke_subgraph autograd assumes every output is a tensor; 2.10+ also returns SymInts.
 INVOKE_SUBGRAPH_RETURNS_SYMINTS = TORCH_HAS_WRAP_SEMANTICS
 
+# Known torch bugs torch_ext avoids (torch_ext/workarounds.py; pinned in tests/test_torch_bugs.py).
+# Inductor reuses buffers an invoke_subgraph call still needs: wrong gradients (2.9.1 .. 2.14.1).
+INDUCTOR_REUSES_REGION_BUFFERS = True
+# The invoke_subgraph backward-graph cache ignores which tangents are the same tensor (2.9.1; 2.13
+# adds the aliasing to its key).
+BACKWARD_CACHE_IGNORES_TANGENT_ALIASING = TORCH_VERSION < (2, 10)
+
 # torch's own VariableTrackers that ours extend (we keep their subgraph installation and naming).
 WrapHigherOrderVariable = _hops.WrapHigherOrderVariable
 CheckpointHigherOrderVariable = _hops.CheckpointHigherOrderVariable

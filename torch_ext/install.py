@@ -19,6 +19,7 @@ _lock = threading.Lock()
 _saved: dict | None = None  # HOP name -> what the table held before install (or _MISSING)
 _saved_base_hop = None
 _saved_id_dispatch: dict | None = None  # id(obj) -> what VariableBuilder's id table held (or _MISSING)
+_workarounds_undo: list | None = None  # what workarounds.apply() replaced
 
 
 def is_installed() -> bool:
@@ -28,7 +29,8 @@ def is_installed() -> bool:
 def install() -> None:
     """Trace wrap, checkpoint, nested_compile_region (invoke_subgraph), local_map and BaseHOP bodies
     with wrap semantics. Idempotent."""
-    global _saved, _saved_base_hop, _saved_id_dispatch
+    global _saved, _saved_base_hop, _saved_id_dispatch, _workarounds_undo
+    from torch_ext import workarounds
     from torch_ext.variables import BASE_HOP_VARIABLE, HOP_VARIABLES
     from torch_ext.variables.local_map import builder_id_dispatch_entries
 
@@ -45,14 +47,18 @@ def install() -> None:
         entries = {id(obj): handler for obj, handler in builder_id_dispatch_entries().items()}
         _saved_id_dispatch = {key: id_table.get(key, _MISSING) for key in entries}
         id_table.update(entries)
+        _workarounds_undo = workarounds.apply()
 
 
 def uninstall() -> None:
     """Restore torch's own VTs exactly. A no-op when not installed."""
-    global _saved, _saved_base_hop, _saved_id_dispatch
+    global _saved, _saved_base_hop, _saved_id_dispatch, _workarounds_undo
+    from torch_ext import workarounds
+
     with _lock:
         if _saved is None:
             return
+        workarounds.restore(_workarounds_undo or [])
         table = compat.hop_variable_registry()
         for name, previous in _saved.items():
             if previous is _MISSING:
@@ -66,7 +72,7 @@ def uninstall() -> None:
                 id_table.pop(key, None)
             else:
                 id_table[key] = previous
-        _saved, _saved_base_hop, _saved_id_dispatch = None, None, None
+        _saved, _saved_base_hop, _saved_id_dispatch, _workarounds_undo = None, None, None, None
 
 
 @contextlib.contextmanager

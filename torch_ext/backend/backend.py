@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from torch_ext import compat
+from torch_ext.install import install, is_installed
 from torch_ext.backend import dump
 from torch_ext.backend.builder import PieceGroup, VariantBuilder
 from torch_ext.backend.cache import ArtifactStore, UnsafeCacheDirError, ensure_private_dir, model_key
@@ -31,6 +32,11 @@ class TorchExtBackend:
     """A Dynamo backend: `torch.compile(model, backend=TorchExtBackend(config))`."""
 
     def __init__(self, config: CompileConfig | None = None):
+        # Models bring nested_compile_region layers: trace them with torch_ext's VariableTrackers
+        # (torch's own reuse path crashes on dynamic shapes) and avoid torch's known wrong results.
+        if not is_installed():
+            log.info("torch_ext: the torch_ext backend calls torch_ext.install()")
+            install()
         self.config = config if config is not None else CompileConfig()
         self.matcher = SplittingOpMatcher(self.config.splitting_ops)
         self.builder = VariantBuilder(InductorCompiler(self.config))

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from torch_ext import workarounds
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.counters import counters
 
@@ -101,7 +102,8 @@ class InductorCompiler:
 
     def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], variant: Variant, *, name: str = ""):
         """Compile gm for the variant; returns Inductor's CompiledArtifact (callable with *args)."""
-        patches = dict(self.config.inductor_options)
+        # Workarounds for torch bugs win over the user's options: correct results first.
+        patches = {**self.config.inductor_options, **workarounds.inductor_patches(gm)}
         pm = self.pass_manager(variant)
         if pm is not None:
             patches["post_grad_custom_post_pass"] = pm

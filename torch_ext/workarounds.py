@@ -1,0 +1,155 @@
+"""Wrong results of torch itself that torch_ext users can meet, and how torch_ext avoids each.
+
+`install()` applies them (and `uninstall()` takes them back); the backend applies the Inductor one
+to every piece it compiles. Each is pinned with a vanilla program in tests/test_torch_bugs.py as a
+strict xfail, so a torch release that fixes one shows up there.
+
+1. Inductor reuses, or writes in place into, buffers that an `invoke_subgraph` call still needs
+   (its outputs alias its inputs or each other: saved activations, gradients of `h + residual`):
+   wrong gradients from chained or repeated `nested_compile_region` calls. Avoided by compiling
+   graphs that call `invoke_subgraph` with `allow_buffer_reuse=False, inplace_buffers=False`.
+2. torch 2.9.1 caches an `invoke_subgraph` backward graph by tangent shapes alone; traced once
+   with two tangents that are the same tensor, it reads only one of them when reused for distinct
+   ones (`f(f(x)[0])` on aot_eager/inductor). Avoided by handing it distinct tangents (views).
+3. Not a wrong result, a crash: `invoke_subgraph`'s autograd needs fake tensors, so a region
+   needing gradients fails under `backend="eager"`. At run time a region just runs its body, so
+   outside of tracing the body runs with ordinary autograd.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+
+import torch
+import torch.fx as fx
+
+from torch_ext import compat
+
+log = logging.getLogger(__name__)
+
+NO_REGION_BUFFER_REUSE = {"allow_buffer_reuse": False, "inplace_buffers": False}
+
+
+def calls_invoke_subgraph(gm: fx.GraphModule) -> bool:
+    """Whether gm, or a subgraph of it, calls invoke_subgraph."""
+    hop = torch._higher_order_ops.invoke_subgraph
+    return any(
+        node.target is hop
+        for module in gm.modules() if isinstance(module, fx.GraphModule)
+        for node in module.graph.find_nodes(op="call_function", target=hop)
+    )
+
+
+def inductor_patches(gm) -> dict:
+    """The Inductor config `gm` needs to compile to right results (bug 1); {} for most graphs."""
+    if not (compat.INDUCTOR_REUSES_REGION_BUFFERS and isinstance(gm, fx.GraphModule) and calls_invoke_subgraph(gm)):
+        return {}
+    # Only what is not in force already: compile_fx applies its patches and calls itself again.
+    patches = {key: value for key, value in NO_REGION_BUFFER_REUSE.items()
+               if getattr(torch._inductor.config, key) != value}
+    if patches:
+        _say_once("torch_ext: compiling a graph that calls nested_compile_region regions with Inductor's "
+                  "allow_buffer_reuse=False, inplace_buffers=False (torch %s reuses buffers of region calls "
+                  "and computes wrong gradients otherwise)", torch.__version__)
+    return patches
+
+
+@functools.lru_cache(maxsize=None)
+def _say_once(message: str, *args) -> None:
+    log.info(message, *args)
+
+
+def _compile_fx_avoiding_bugs(compile_fx):
+    """Inductor's compile_fx, with the patches each graph needs merged over the caller's own."""
+    signature = inspect.signature(compile_fx)
+
+    @functools.wraps(compile_fx)
+    def wrapper(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        gm = bound.arguments.get("model_")
+        patches = inductor_patches(gm)
+        if patches:
+            bound.arguments["config_patches"] = {**(bound.arguments.get("config_patches") or {}), **patches}
+        if compat.BACKWARD_CACHE_IGNORES_TANGENT_ALIASING and isinstance(gm, fx.GraphModule) \
+                and calls_invoke_subgraph(gm):
+            # AOTAutograd's cache keys on the Dynamo graph: it cannot tell artifacts traced with
+            # bug 2 from ours. The per-graph Inductor cache still applies.
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                return compile_fx(*bound.args, **bound.kwargs)
+        return compile_fx(*bound.args, **bound.kwargs)
+
+    wrapper.__torch_ext_original__ = compile_fx
+    return wrapper
+
+
+def _distinct_tangents(backward):
+    """torch 2.9.1's invoke_subgraph backward, given a view of each tangent that repeats an earlier
+    one, so the backward graph it traces and caches reads every tangent on its own (bug 2)."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grad_outs):
+        seen, distinct = set(), []
+        for grad in grad_outs:
+            if isinstance(grad, torch.Tensor):
+                if id(grad) in seen:
+                    grad = torch.ops.aten.alias.default(grad)
+                seen.add(id(grad))
+            distinct.append(grad)
+        return backward(ctx, *distinct)
+
+    return staticmethod(wrapper)
+
+
+def _run_body_when_eager(autograd_kernel):
+    """invoke_subgraph's Autograd kernel that, on real tensors outside any tracing, runs the body
+    with ordinary autograd (bug 3); under tracing, torch's own kernel."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    @functools.wraps(autograd_kernel)
+    def kernel(subgraph, identifier, *operands):
+        tensors = [t for t in operands if isinstance(t, torch.Tensor)]
+        eager = (_get_current_dispatch_mode() is None and not getattr(subgraph, "_boxed_call", False)
+                 and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors))
+        if eager:
+            return tuple(subgraph(*operands))
+        return autograd_kernel(subgraph, identifier, *operands)
+
+    kernel.__torch_ext_original__ = autograd_kernel
+    return kernel
+
+
+def _patch_points():
+    """(owner, attribute, wrap) for every patch this torch version needs."""
+    invoke_subgraph_module = importlib.import_module("torch._higher_order_ops.invoke_subgraph")
+    compile_fx_module = importlib.import_module("torch._inductor.compile_fx")
+
+    points = []
+    if compat.INDUCTOR_REUSES_REGION_BUFFERS:
+        points.append((compile_fx_module, "compile_fx", _compile_fx_avoiding_bugs))
+    if compat.BACKWARD_CACHE_IGNORES_TANGENT_ALIASING:
+        points.append((invoke_subgraph_module.InvokeSubgraphAutogradOp, "backward", _distinct_tangents))
+    return points
+
+
+def apply() -> list:
+    """Apply every workaround; returns what `restore` needs to undo them exactly."""
+    undo = [(owner, name, inspect.getattr_static(owner, name)) for owner, name, _ in _patch_points()]
+    for owner, name, wrap in _patch_points():
+        setattr(owner, name, wrap(getattr(owner, name)))
+    hop = torch._higher_order_ops.invoke_subgraph
+    key = torch._C.DispatchKey.Autograd
+    undo.append((hop.py_kernels, key, hop.py_kernels[key]))
+    hop.py_kernels[key] = _run_body_when_eager(hop.py_kernels[key])
+    hop._dispatch_cache.clear()
+    return undo
+
+
+def restore(undo: list) -> None:
+    for owner, name, original in reversed(undo):
+        if isinstance(owner, dict):
+            owner[name] = original
+        else:
+            setattr(owner, name, original)
+    torch._higher_order_ops.invoke_subgraph._dispatch_cache.clear()
