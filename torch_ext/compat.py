@@ -1,19 +1,59 @@
-"""Every difference between the torch versions torch_ext supports (2.9.1 .. 2.13), and nothing else.
+"""Every difference between the torch versions torch_ext supports (2.9.1 .. 2.14.1), and nothing else.
 
 No other module branches on the torch version: they import the Dynamo internals they need from here.
 """
 from __future__ import annotations
 
 import contextlib
+import re
+import warnings
 from typing import Any
 
 import torch
-from torch._dynamo import exc as _exc
-from torch._dynamo.variables import higher_order_ops as _hops
-from torch._dynamo.variables.base import VariableTracker  # noqa: F401  (re-exported)
-from torch._dynamo.variables.builder import wrap_fx_proxy  # noqa: F401  (same signature everywhere)
 
-TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a version string such as "2.14.1+cu130" or "2.15.0.dev20260101"."""
+    return tuple(int(re.match(r"\d+", part).group()) for part in version.split("+")[0].split(".")[:3])
+
+
+# The versions CI runs the whole suite on (`make test`); the GPU machine adds 2.11.
+TESTED_TORCH_VERSIONS = ("2.9.1", "2.13.0", "2.14.1")
+OLDEST_SUPPORTED_TORCH = _release(TESTED_TORCH_VERSIONS[0])
+NEWEST_TESTED_TORCH = _release(TESTED_TORCH_VERSIONS[-1])
+TORCH_RELEASE = _release(torch.__version__)
+
+
+def _shown(release: tuple[int, ...] | None) -> str:
+    return torch.__version__ if release is None else ".".join(map(str, release))
+
+
+def check_torch_version(release: tuple[int, ...] | None = None) -> None:
+    """Refuse a torch older than the oldest supported: its Dynamo internals differ."""
+    if (release or TORCH_RELEASE) < OLDEST_SUPPORTED_TORCH:
+        raise ImportError(f"torch_ext needs torch >= {TESTED_TORCH_VERSIONS[0]} (tested: "
+                          f"{', '.join(TESTED_TORCH_VERSIONS)}); this is torch {_shown(release)}. Upgrade "
+                          f"torch, e.g. `pip install torch=={TESTED_TORCH_VERSIONS[-1]}`.")
+
+
+def warn_if_untested(release: tuple[int, ...] | None = None) -> bool:
+    """Warn (install() does, once) when torch is newer than the newest tested; returns whether it is."""
+    if (release or TORCH_RELEASE) <= NEWEST_TESTED_TORCH:
+        return False
+    warnings.warn(f"torch_ext is tested with torch {', '.join(TESTED_TORCH_VERSIONS)}; this is torch "
+                  f"{_shown(release)}, newer. If compiling fails or results differ from eager, please "
+                  "report it with the output of `python -m torch_ext doctor`.", stacklevel=3)
+    return True
+
+
+check_torch_version()  # before the imports of internals below, which older releases lack
+
+from torch._dynamo import exc as _exc  # noqa: E402
+from torch._dynamo.variables import higher_order_ops as _hops  # noqa: E402
+from torch._dynamo.variables.base import VariableTracker  # noqa: E402,F401  (re-exported)
+from torch._dynamo.variables.builder import wrap_fx_proxy  # noqa: E402,F401  (same signature everywhere)
+
+TORCH_VERSION = TORCH_RELEASE[:2]
 
 # 2.10 introduced wrap-semantics speculation in torch itself.
 TORCH_HAS_WRAP_SEMANTICS = hasattr(_hops, "speculate_subgraph_with_auto_output_flattening")

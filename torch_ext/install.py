@@ -10,6 +10,7 @@ compiling, or call torch._dynamo.reset().
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 from torch_ext import compat
@@ -37,6 +38,7 @@ def install() -> None:
     with _lock:
         if _saved is not None:
             return
+        _warn_once_if_untested()
         table = compat.hop_variable_registry()
         module = compat.hop_variables_module()
         _saved = {name: table.get(name, _MISSING) for name in HOP_VARIABLES}
@@ -48,6 +50,11 @@ def install() -> None:
         _saved_id_dispatch = {key: id_table.get(key, _MISSING) for key in entries}
         id_table.update(entries)
         _workarounds_undo = workarounds.apply()
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once_if_untested() -> None:
+    compat.warn_if_untested()
 
 
 def uninstall() -> None:

@@ -1,0 +1,119 @@
+"""torch_ext avoids the wrong results of torch pinned in test_torch_bugs.py (torch_ext/workarounds.py),
+and says clearly which torch versions it supports.
+
+Each program here is one that vanilla torch gets wrong or crashes on (see test_torch_bugs.py for the
+vanilla side); with install() it matches eager on eager, aot_eager and inductor, outputs and
+gradients of every input (weights are inputs, so their gradients are checked too).
+"""
+import importlib
+import warnings
+
+import pytest
+import torch
+
+import torch_ext
+from torch_ext import compat, workarounds
+from torch_ext.testing import check_matches_eager
+
+from test_torch_bugs import chained_calls, two_calls_product
+
+BACKENDS = ("eager", "aot_eager", "inductor")
+
+
+@torch.compiler.nested_compile_region
+def residual_block(h, residual, w):
+    r = h + residual
+    return torch.relu(r @ w), r
+
+
+@torch.compiler.nested_compile_region
+def mlp_block(h, w):
+    return torch.tanh(h @ w) + h
+
+
+def multi_output_chain(x, *weights):
+    h, residual = x, torch.zeros_like(x)
+    for w in weights:
+        h, residual = residual_block(h, residual, w)
+    return h + residual
+
+
+def single_output_chain(x, *weights):
+    for w in weights:
+        x = mlp_block(x, w)
+    return x * 2
+
+
+def _inputs(length: int):
+    x = torch.randn(4, 8, requires_grad=True)
+    weights = [(torch.randn(8, 8) / 3).requires_grad_() for _ in range(length)]
+    return x, *weights
+
+
+@pytest.mark.parametrize("chain", [multi_output_chain, single_output_chain])
+@pytest.mark.parametrize("length", [2, 4, 8])
+def test_region_chains_match_eager(installed, chain, length):
+    check_matches_eager(chain, *_inputs(length), backends=BACKENDS, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("program", [two_calls_product, chained_calls])
+def test_pinned_programs_match_eager(installed, program):
+    check_matches_eager(program, torch.randn(4, requires_grad=True), backends=BACKENDS)
+
+
+def test_regions_needing_grad_run_under_eager_backend(installed):
+    """Vanilla: 'fake_mode should be enabled for HOPs' (test_torch_bugs.py); a region just runs its
+    body at run time, so with ordinary autograd."""
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    out = torch.compile(multi_output_chain, backend="eager", fullgraph=True)(x, w, w)
+    grads = torch.autograd.grad(out.sum(), (x, w))
+    expected = torch.autograd.grad(multi_output_chain(x, w, w).sum(), (x, w))
+    torch.testing.assert_close(grads, expected)
+
+
+def test_inductor_patches_only_for_region_graphs():
+    plain = torch.fx.symbolic_trace(lambda x: x + 1)
+    assert workarounds.inductor_patches(plain) == {}
+    graphs = []
+    torch.compile(single_output_chain, backend=lambda gm, _: graphs.append(gm) or gm, fullgraph=True)(
+        *_inputs(2))
+    assert workarounds.calls_invoke_subgraph(graphs[0])
+    assert workarounds.inductor_patches(graphs[0]) == workarounds.NO_REGION_BUFFER_REUSE
+    with torch._inductor.config.patch(workarounds.NO_REGION_BUFFER_REUSE):
+        assert workarounds.inductor_patches(graphs[0]) == {}  # already in force: nothing to add
+
+
+def test_uninstall_restores_what_install_patched():
+    compile_fx_module = importlib.import_module("torch._inductor.compile_fx")
+    hop = torch._higher_order_ops.invoke_subgraph
+    key = torch._C.DispatchKey.Autograd
+    before = (compile_fx_module.compile_fx, hop.py_kernels[key])
+    torch_ext.install()
+    torch_ext.install()  # idempotent: wraps once
+    assert compile_fx_module.compile_fx.__torch_ext_original__ is before[0]
+    assert hop.py_kernels[key].__torch_ext_original__ is before[1]
+    torch_ext.uninstall()
+    assert (compile_fx_module.compile_fx, hop.py_kernels[key]) == before
+
+
+def test_older_torch_is_refused_with_the_versions_named():
+    with pytest.raises(ImportError, match=r"needs torch >= 2\.9\.1 \(tested: 2\.9\.1, 2\.13\.0, 2\.14\.1\); "
+                                          r"this is torch 2\.8\.0"):
+        compat.check_torch_version((2, 8, 0))
+    compat.check_torch_version((2, 9, 1))
+
+
+def test_newer_torch_warns_once_on_install(monkeypatch):
+    assert compat.warn_if_untested(compat.NEWEST_TESTED_TORCH) is False
+    monkeypatch.setattr(compat, "TORCH_RELEASE", (2, 99, 0))
+    install_module = importlib.import_module("torch_ext.install")  # torch_ext.install is the function
+    install_module._warn_once_if_untested.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=r"tested with torch 2\.9\.1, 2\.13\.0, 2\.14\.1; this is torch 2\.99"):
+            torch_ext.install()
+        torch_ext.uninstall()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch_ext.install()  # said once per process
+    finally:
+        install_module._warn_once_if_untested.cache_clear()
