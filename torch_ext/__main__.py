@@ -1,4 +1,4 @@
-"""python -m torch_ext demo"""
+"""python -m torch_ext {demo,doctor}"""
 import argparse
 import sys
 
@@ -16,11 +16,17 @@ def main(argv=None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_argument("--part", action="append", choices=list(PARTS), metavar="NAME",
                       help="run only this part (repeatable)")
+    sub.add_parser("doctor", help="versions, CUDA, cache dir: what to paste into a bug report",
+                   description="Print torch_ext's environment: what to paste into a bug report.")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from torch_ext.demo import main as demo_main
 
         return demo_main(args.part)
+    if args.command == "doctor":
+        from torch_ext.doctor import main as doctor_main
+
+        return doctor_main()
     return 2
 
 
