@@ -54,7 +54,7 @@ class Program:
 PROGRAMS = (
     Program("a region returns one of its inputs unchanged", "return x, x * y", uses_keep_and_scale,
             (4,), False, lambda n: (torch.randn(n, 3, requires_grad=True), torch.randn(n, 3))),
-    Program("a region returns a float computed from a size", "return x.sin(), x.size(0) / 2.0",
+    Program("a region returns a float made from a size", "return x.sin(), x.size(0) / 2.0",
             uses_sin_and_half_rows, (3, 6, 10), True, lambda n: (torch.randn(n, 2, requires_grad=True),)),
 )
 
@@ -91,11 +91,11 @@ def run() -> dict:
     for number, program in enumerate(PROGRAMS, 1):
         torch.manual_seed(0)
         print(f"  {number}. {program.title}:  {program.source}"
-              + ("   (dynamic=True)" if program.dynamic else ""))
+              + ("  (dynamic=True)" if program.dynamic else ""))
         show.flush()
-        vanilla_ok, vanilla = show.attempt(lambda: compile_and_compare(program))
+        vanilla_ok, vanilla = show.attempt(lambda: compile_and_compare(program), show.OUTCOME_WIDTH)
         with torch_ext.installed():
-            ext_ok, ext = show.attempt(lambda: compile_and_compare(program))
+            ext_ok, ext = show.attempt(lambda: compile_and_compare(program), show.OUTCOME_WIDTH)
         torch._dynamo.reset()
         rows = [("torch alone", _outcome(vanilla_ok, vanilla, program)),
                 ("torch_ext.install()", _outcome(ext_ok, ext, program))]
@@ -114,4 +114,4 @@ def _outcome(ok: bool, result, program: Program) -> str:
         return f"refused: {result}"
     sizes = ", ".join(map(str, program.batches))
     return (f"compiled, {result['graphs']} graph{'s' if result['graphs'] != 1 else ''}; "
-            f"outputs and grads at batch {sizes} equal eager: {result['equal_eager']}")
+            f"outputs, grads equal eager (batch {sizes}): {result['equal_eager']}")

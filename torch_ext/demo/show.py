@@ -6,6 +6,7 @@ import sys
 from typing import Callable, Sequence
 
 WIDTH = 96  # every line the demo prints stays under this
+OUTCOME_WIDTH = WIDTH - 36  # what fits after "     torch_ext.install()  refused: "
 
 
 def header(name: str, title: str) -> None:
@@ -33,7 +34,10 @@ def reason(error: BaseException, width: int = 80) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     line = next((x for x in lines if not x.endswith(":")), lines[0] if lines else type(error).__name__)
     line = line.split(" Got ", 1)[-1]  # 2.9.1: "... to be capturable into a single graph Got <cause>"
-    line = re.split(r"(?<=[a-z)])\. ", line)[0]
+    return shorten(re.split(r"(?<=[a-z)])\. ", line)[0], width)
+
+
+def shorten(line: str, width: int) -> str:
     return line if len(line) <= width else line[: width - 1].rsplit(" ", 1)[0] + " …"
 
 

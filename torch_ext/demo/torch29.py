@@ -72,14 +72,13 @@ def run() -> dict:
     if python is None:
         print(f"  skipped: no {VENV} here; `make test-2.9.1` builds it, then run `make demo` again")
         return {"skipped": True}
-    print(f"  {PROGRAM.title}:  {PROGRAM.source}")
-    show.flush()
     try:
         findings = run_worker(python, "torch_ext.demo.torch29", "--probe", timeout=300)
     except WorkerFailed as e:
         print(f"  {str(e)[:show.WIDTH - 2]}")
         return {"skipped": False, "failed": True}
-    print(f"  ({python.parent.parent.name}: torch {findings['torch']})")
+    print(f"  in {VENV} (torch {findings['torch']}), {PROGRAM.title}:")
+    print(f"     {PROGRAM.source}")
     show.table([(label, _outcome(findings[key])) for label, key in
                 (("torch alone", "vanilla"), ("torch_ext.install()", "torch_ext"))], indent="     ")
     return {"skipped": False, "failed": False, **findings}
@@ -87,9 +86,9 @@ def run() -> dict:
 
 def _outcome(finding: dict) -> str:
     if not finding["ok"]:
-        return f"refused: {finding['reason']}"
+        return f"refused: {show.shorten(finding['reason'], show.OUTCOME_WIDTH)}"
     graphs = f"{finding['graphs']} graph{'s' if finding['graphs'] != 1 else ''}"
-    return f"compiled, {graphs}; outputs and grads equal eager: {finding['equal_eager']}"
+    return f"compiled, {graphs}; outputs, grads equal eager: {finding['equal_eager']}"
 
 
 if __name__ == "__main__":
