@@ -140,6 +140,16 @@ def test_doctor_reports_cache_size_and_refuses_what_the_backend_refuses(monkeypa
         assert "install()       active in this process" in doctor.report()
 
 
+def test_doctor_names_cuda_devices(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    assert doctor.cuda_line() == "1 device(s), torch built with CUDA 13.0; 0: NVIDIA H100 80GB HBM3 (sm_90)"
+
+
 def test_doctor_command_runs():
     done = subprocess.run([sys.executable, "-m", "torch_ext", "doctor"], capture_output=True, text=True,
                           timeout=120)

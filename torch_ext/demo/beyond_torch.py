@@ -102,7 +102,7 @@ def run() -> dict:
         show.table(rows, indent="     ")
         if ext_ok:
             print(f"     captured graph ({BACKEND} backend):")
-            for line in summarize(ext["graph"], indent="       ", width=show.WIDTH - 7):
+            for line in summarize(ext["graph"], indent="       ", width=show.WIDTH):
                 print(line)
         facts[program.fn.__name__] = {"vanilla_compiled": vanilla_ok, "torch_ext_compiled": ext_ok,
                                       "equal_eager": ext_ok and ext["equal_eager"]}
