@@ -105,7 +105,7 @@ def _inductor_cache_line() -> str:
     if not os.path.isdir(path):
         return f"{path} (does not exist yet)"
     size, files = _tree_size(path)
-    return f"{path} ({size / 2**20:.1f} MiB in {files} files; on CPU, warm starts from torch_ext's cache also use it)"
+    return f"{path}  ({size / 2**20:.1f} MiB in {files} files)"
 
 
 def facts() -> list[tuple[str, str]]:
