@@ -11,6 +11,7 @@ setup(
         "torch_ext",
         "torch_ext.backend",
         "torch_ext.backend.passes",
+        "torch_ext.demo",
         "torch_ext.variables",
         "torch_ext.hops",
     ],

@@ -55,6 +55,10 @@ from torch._dynamo.variables.builder import wrap_fx_proxy  # noqa: E402,F401  (s
 
 TORCH_VERSION = TORCH_RELEASE[:2]
 
+# The torch releases CI runs the whole suite on (the Makefile's VERSIONS); `python -m torch_ext doctor`
+# says whether the installed one is among them.
+TESTED_TORCH_VERSIONS = ("2.9.1", "2.13.0", "2.14.1")
+
 # 2.10 introduced wrap-semantics speculation in torch itself.
 TORCH_HAS_WRAP_SEMANTICS = hasattr(_hops, "speculate_subgraph_with_auto_output_flattening")
 
