@@ -17,7 +17,8 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(int(re.match(r"\d+", part).group()) for part in version.split("+")[0].split(".")[:3])
 
 
-# The versions CI runs the whole suite on (`make test`); the GPU machine adds 2.11.
+# The torch releases CI runs the whole suite on (the Makefile's VERSIONS; the GPU machine adds 2.11);
+# `python -m torch_ext doctor` says whether the installed one is among them.
 TESTED_TORCH_VERSIONS = ("2.9.1", "2.13.0", "2.14.1")
 OLDEST_SUPPORTED_TORCH = _release(TESTED_TORCH_VERSIONS[0])
 NEWEST_TESTED_TORCH = _release(TESTED_TORCH_VERSIONS[-1])
@@ -54,10 +55,6 @@ from torch._dynamo.variables.base import VariableTracker  # noqa: E402,F401  (re
 from torch._dynamo.variables.builder import wrap_fx_proxy  # noqa: E402,F401  (same signature everywhere)
 
 TORCH_VERSION = TORCH_RELEASE[:2]
-
-# The torch releases CI runs the whole suite on (the Makefile's VERSIONS); `python -m torch_ext doctor`
-# says whether the installed one is among them.
-TESTED_TORCH_VERSIONS = ("2.9.1", "2.13.0", "2.14.1")
 
 # 2.10 introduced wrap-semantics speculation in torch itself.
 TORCH_HAS_WRAP_SEMANTICS = hasattr(_hops, "speculate_subgraph_with_auto_output_flattening")
