@@ -91,7 +91,8 @@ def test_uninstall_restores_what_install_patched():
     torch_ext.install()
     torch_ext.install()  # idempotent: wraps once
     assert compile_fx_module.compile_fx.__torch_ext_original__ is before[0]
-    assert hop.py_kernels[key].__torch_ext_original__ is before[1]
+    if compat.EAGER_REGION_BACKWARD_NEEDS_FAKE_MODE:
+        assert hop.py_kernels[key].__torch_ext_original__ is before[1]
     torch_ext.uninstall()
     assert (compile_fx_module.compile_fx, hop.py_kernels[key]) == before
 
@@ -109,7 +110,7 @@ def test_newer_torch_warns_once_on_install(monkeypatch):
     install_module = importlib.import_module("torch_ext.install")  # torch_ext.install is the function
     install_module._warn_once_if_untested.cache_clear()
     try:
-        with pytest.warns(UserWarning, match=r"tested with torch 2\.9\.1, 2\.13\.0, 2\.14\.1; this is torch 2\.99"):
+        with pytest.warns(UserWarning, match=r"tested with torch 2\.9\.1, 2\.13\.0, 2\.14\.1; this is torch \S+, newer"):
             torch_ext.install()
         torch_ext.uninstall()
         with warnings.catch_warnings():

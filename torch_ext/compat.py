@@ -62,12 +62,20 @@ TORCH_HAS_WRAP_SEMANTICS = hasattr(_hops, "speculate_subgraph_with_auto_output_f
 # torch 2.9.1's invoke_subgraph autograd assumes every output is a tensor; 2.10+ also returns SymInts.
 INVOKE_SUBGRAPH_RETURNS_SYMINTS = TORCH_HAS_WRAP_SEMANTICS
 
+# 2.14 functionalizes a custom op that mutates its inputs inside a nested_compile_region (earlier:
+# "Found a custom (non-ATen) operator whose output has alias annotations"), so plain torch.compile
+# compiles region layers around an in-place attention op.
+INDUCTOR_COMPILES_MUTATING_OPS_IN_REGIONS = TORCH_VERSION >= (2, 14)
+
 # Known torch bugs torch_ext avoids (torch_ext/workarounds.py; pinned in tests/test_torch_bugs.py).
 # Inductor reuses buffers an invoke_subgraph call still needs: wrong gradients (2.9.1 .. 2.14.1).
 INDUCTOR_REUSES_REGION_BUFFERS = True
 # The invoke_subgraph backward-graph cache ignores which tangents are the same tensor (2.9.1; 2.13
 # adds the aliasing to its key).
 BACKWARD_CACHE_IGNORES_TANGENT_ALIASING = TORCH_VERSION < (2, 10)
+# invoke_subgraph's backward traces a graph, so it needs fake tensors: under backend="eager" a region
+# needing gradients fails ("fake_mode should be enabled for HOPs"); 2.14 runs such calls itself.
+EAGER_REGION_BACKWARD_NEEDS_FAKE_MODE = TORCH_VERSION < (2, 14)
 
 # torch's own VariableTrackers that ours extend (we keep their subgraph installation and naming).
 WrapHigherOrderVariable = _hops.WrapHigherOrderVariable

@@ -11,9 +11,9 @@ strict xfail, so a torch release that fixes one shows up there.
 2. torch 2.9.1 caches an `invoke_subgraph` backward graph by tangent shapes alone; traced once
    with two tangents that are the same tensor, it reads only one of them when reused for distinct
    ones (`f(f(x)[0])` on aot_eager/inductor). Avoided by handing it distinct tangents (views).
-3. Not a wrong result, a crash: `invoke_subgraph`'s autograd needs fake tensors, so a region
-   needing gradients fails under `backend="eager"`. At run time a region just runs its body, so
-   outside of tracing the body runs with ordinary autograd.
+3. Not a wrong result, a crash (before 2.14): `invoke_subgraph`'s autograd needs fake tensors, so a
+   region needing gradients fails under `backend="eager"`. At run time a region just runs its
+   body, so outside of tracing the body runs with ordinary autograd.
 """
 from __future__ import annotations
 
@@ -138,11 +138,12 @@ def apply() -> list:
     undo = [(owner, name, inspect.getattr_static(owner, name)) for owner, name, _ in _patch_points()]
     for owner, name, wrap in _patch_points():
         setattr(owner, name, wrap(getattr(owner, name)))
-    hop = torch._higher_order_ops.invoke_subgraph
-    key = torch._C.DispatchKey.Autograd
-    undo.append((hop.py_kernels, key, hop.py_kernels[key]))
-    hop.py_kernels[key] = _run_body_when_eager(hop.py_kernels[key])
-    hop._dispatch_cache.clear()
+    if compat.EAGER_REGION_BACKWARD_NEEDS_FAKE_MODE:
+        hop = torch._higher_order_ops.invoke_subgraph
+        key = torch._C.DispatchKey.Autograd
+        undo.append((hop.py_kernels, key, hop.py_kernels[key]))
+        hop.py_kernels[key] = _run_body_when_eager(hop.py_kernels[key])
+        hop._dispatch_cache.clear()
     return undo
 
 
