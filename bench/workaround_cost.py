@@ -36,7 +36,7 @@ class Block(nn.Module):
     @torch.compiler.nested_compile_region
     def forward(self, h, residual):
         r = h + residual
-        return self.down(torch.relu(self.up(r))), r
+        return self.down(torch.relu(self.up(r))).relu(), r
 
 
 class Chain(nn.Module):
@@ -48,7 +48,7 @@ class Chain(nn.Module):
         h, residual = x, torch.zeros_like(x)
         for block in self.blocks:
             h, residual = block(h, residual)
-        return (h + residual).pow(2).mean()
+        return (h + residual).sum()
 
 
 def step(fn, model, x):
@@ -66,7 +66,7 @@ def compiled_step(model, x, with_torch_ext: bool):
     grads = step(compiled, model, x)
     seconds = time.perf_counter() - start
     expected = step(model, model, x)
-    error = (grads[0] - expected[0]).abs().max().item()
+    error = ((grads[0] - expected[0]).abs().max() / expected[0].abs().max()).item()
     return (lambda: step(compiled, model, x)), seconds, error
 
 
@@ -77,13 +77,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--torch-ext-first", action="store_true", help="compile the torch_ext column first "
+                        "(the second compile of a process is faster: run both orders)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = Chain(args.blocks, args.dim)
     x = torch.randn(args.batch, args.dim, requires_grad=True)
+    torch.compile(lambda t: t.relu() + 1)(x.detach())  # Inductor's one-time start-up, outside the columns
     peers = {}
-    for name, with_torch_ext in (("torch default", False), ("torch_ext", True)):
+    order = [("torch default", False), ("torch_ext", True)]
+    for name, with_torch_ext in (order[::-1] if args.torch_ext_first else order):
         peers[name] = compiled_step(model, x, with_torch_ext)
+    peers = {name: peers[name] for name, _ in order}
     times = {name: [] for name in peers}
     for _ in range(args.rounds):
         for name, (run, _, _) in peers.items():
@@ -94,12 +99,13 @@ def main() -> None:
             times[name].append((time.perf_counter() - start) / args.steps * 1e3)
     base = statistics.median(times["torch default"])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.blocks} blocks, dim {args.dim}, "
-          f"batch {args.batch}; {args.rounds} interleaved rounds of {args.steps} steps")
+          f"batch {args.batch}; {args.rounds} interleaved rounds of {args.steps} steps; compiled "
+          f"{'torch_ext' if args.torch_ext_first else 'torch default'} first")
     rows = []
     for name, (_, seconds, error) in peers.items():
         ms = statistics.median(times[name])
         rows.append([name, f"{seconds:.1f}", f"{ms:.2f}", f"{ms / base:.2f}", f"{error:.1e}"])
-    print_table(["peer", "compile s", "step ms", "x default", "max err of x.grad"], rows)
+    print_table(["peer", "compile s", "step ms", "x default", "x.grad error (rel.)"], rows)
 
 
 if __name__ == "__main__":
