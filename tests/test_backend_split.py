@@ -134,3 +134,59 @@ def test_splitting_ops_inside_wrap_and_checkpoint_bodies_are_found(region):
                for n in gm.graph.nodes)
     split = split_graph(gm, MATCH, "inline")
     assert kinds(split) == ["compute", "splitting", "compute"]
+
+
+class SdpaLayer(torch.nn.Module):
+    """Attention through F.scaled_dot_product_attention, as Hugging Face models write it."""
+
+    def __init__(self, d: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(a.transpose(1, 2).reshape(b, s, d)).softmax(-1)
+
+
+def test_aten_name_splits_where_dynamo_records_the_torch_function():
+    """Dynamo records torch._C._nn.scaled_dot_product_attention, not the aten op; naming the aten op
+    splits there (and at no other call)."""
+    gm = dynamo_graph(torch.nn.Sequential(*(SdpaLayer() for _ in range(3))), torch.randn(2, 5, 16))
+    split = split_graph(gm, SplittingOpMatcher(("aten::scaled_dot_product_attention",)), "inline")
+    assert kinds(split).count("splitting") == 3
+    methods = SplittingOpMatcher(("aten::softmax",))  # a Tensor method of an aten op's name
+    assert sum(methods(n) for n in gm.graph.nodes) == 3
+    assert not any(SplittingOpMatcher(("torch_ext_test::attention",))(n) for n in gm.graph.nodes)
+
+
+def test_sdpa_model_split_by_aten_name_matches_eager_with_dynamic_sizes():
+    import torch_ext
+    from torch_ext.backend import counters
+
+    model = torch.nn.Sequential(*(SdpaLayer() for _ in range(3)))
+    config = torch_ext.CompileConfig(splitting_ops=["aten::scaled_dot_product_attention"], cache_dir=None)
+    compiled = torch.compile(model, backend=torch_ext.backend(config), dynamic=True)
+    with torch.no_grad():
+        for batch, seq in ((2, 5), (3, 7), (1, 4)):
+            x = torch.randn(batch, seq, 16)
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+    graphs = counters.splitting_op_calls // 3  # Dynamo may compile a second, more dynamic graph
+    assert graphs >= 1 and (counters.splitting_op_calls, counters.pieces) == (3 * graphs, 4 * graphs)
+
+
+def test_unmatched_splitting_op_is_said_once_with_the_nearest_names(caplog):
+    import torch_ext
+
+    model = torch.nn.Sequential(SdpaLayer(), SdpaLayer())
+    config = torch_ext.CompileConfig(splitting_ops=["aten::_scaled_dot_product_flash_attention"], cache_dir=None)
+    compiled = torch.compile(model, backend=torch_ext.backend(config))
+    with torch.no_grad(), caplog.at_level("WARNING", logger="torch_ext.backend"):
+        compiled(torch.randn(2, 5, 16))
+        compiled(torch.randn(3, 6, 16))  # a recompile: another graph, not another warning
+    said = [r.getMessage() for r in caplog.records if "matches no call" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "aten::_scaled_dot_product_flash_attention" in said[0]
+    assert "nearest names: aten::scaled_dot_product_attention" in said[0]

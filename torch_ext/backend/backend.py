@@ -23,7 +23,8 @@ from torch_ext.backend.cudagraph import CudaGraphManager
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.counters import counters
 from torch_ext.backend.piecewise import batch_symbol
-from torch_ext.backend.split import INLINABLE_HOPS, SplitGraph, SplittingOpMatcher, hop_name, split_graph
+from torch_ext.backend.split import (INLINABLE_HOPS, SplitGraph, SplittingOpMatcher, hop_name, split_graph,
+                                     unmatched_splitting_ops)
 
 log = logging.getLogger("torch_ext.backend")
 
@@ -42,6 +43,7 @@ class TorchExtBackend:
         self.builder = VariantBuilder(InductorCompiler(self.config))
         self.cudagraphs = CudaGraphManager(self.config) if self.config.cudagraph_mode != "none" else None
         self._graphs = 0
+        self._said_unmatched: set[str] = set()
         if self.config.cache_dir and os.path.exists(self.config.cache_dir):
             ensure_private_dir(self.config.cache_dir)  # refuse an unsafe directory early
 
@@ -67,6 +69,7 @@ class TorchExtBackend:
         store = self._store()
         group = PieceGroup(f"graph {index}", self.config, self.builder, store, batch_symbol(gm))
         split = split_graph(gm, self.matcher, self.config.hop_split)
+        self._say_unmatched(gm, index)
         graph_info = self.cudagraphs.prepare(gm, self.matcher, f"graph {index}") if self.cudagraphs else None
         self._install_runners(split, group, dumper)
         self._compile_general(group)
@@ -85,6 +88,16 @@ class TorchExtBackend:
         if self.cudagraphs is not None:  # piecewise: wraps the pieces in place; full: wraps the split graph
             return self.cudagraphs.wrap(split, graph_info)
         return split.split_gm
+
+    def _say_unmatched(self, gm: fx.GraphModule, index: int) -> None:
+        """A configured splitting op that matches nothing is said once: the graph is not split there."""
+        for name, nearest in unmatched_splitting_ops(gm, self.matcher).items():
+            if name in self._said_unmatched:
+                continue
+            self._said_unmatched.add(name)
+            hint = f"; calls in the graph with the nearest names: {', '.join(nearest)}" if nearest else ""
+            log.warning("torch_ext: splitting op %s matches no call in graph %d, so the graph is not split "
+                        "there%s (README, Backend: which names match).", name, index, hint)
 
     def _store(self) -> ArtifactStore | None:
         if not self.config.cache_dir:

@@ -26,7 +26,9 @@ available (CompileConfig.hop_split).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import operator
+import types
 from typing import Any, Callable
 
 import torch
@@ -49,26 +51,81 @@ INLINABLE_HOPS = {
 }
 
 
+# Where Dynamo records a call of an aten op by the torch function that dispatches to it
+# (`F.scaled_dot_product_attention` is `torch._C._nn.scaled_dot_product_attention` in the graph).
+_TORCH_FUNCTION_NAMESPACES = ("torch", "torch._C._nn", "torch._C._VariableFunctions", "torch.nn.functional",
+                              "torch._C._linalg", "torch._C._special", "torch._C._fft")
+
+
+def torch_functions_for(op: torch._ops.OpOverloadPacket) -> set[Callable]:
+    """The torch functions named like the aten op `op` that Dynamo may record instead of it.
+    Only C builtins: a Python function of that name may do more than the op."""
+    if op._qualified_op_name.split("::")[0] != "aten":
+        return set()
+    functions = set()
+    for namespace in _TORCH_FUNCTION_NAMESPACES:
+        module = operator.attrgetter(namespace.partition(".")[2])(torch) if "." in namespace else torch
+        function = getattr(module, op.__name__, None)
+        if isinstance(function, types.BuiltinFunctionType):
+            functions.add(function)
+    return functions
+
+
+def op_display_name(node: fx.Node) -> str | None:
+    """How a call reads in a message: "ns::name" for operators and the torch builtins of aten ops,
+    "module.name" for other functions."""
+    target = node.target
+    if node.op == "call_method":
+        return f"Tensor.{target}"
+    if node.op != "call_function":
+        return None
+    if isinstance(target, torch._ops.OpOverload):
+        return target.name().split(".")[0]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    name = getattr(target, "__name__", None)
+    if isinstance(target, types.BuiltinFunctionType) and hasattr(torch.ops.aten, name or ""):
+        return f"aten::{name}"  # what to put in splitting_ops to split at it
+    return f"{getattr(target, '__module__', None) or 'torch'}.{name}" if name else None
+
+
 class SplittingOpMatcher:
-    """Tells whether an FX node calls one of the configured splitting ops (any overload)."""
+    """Tells whether an FX node calls one of the configured splitting ops (any overload, or, for an
+    aten op, the torch function or Tensor method of the same name that Dynamo records)."""
 
     def __init__(self, names: tuple[str, ...]):
         self.names = names
-        self._packets = set()
-        self._overloads = set()
+        self._by_target: dict[Any, str] = {}  # op, overload packet or torch function -> configured name
+        self._by_method: dict[str, str] = {}  # Tensor method name -> configured name
         for name in names:
             op = resolve_op(name)
-            (self._overloads if isinstance(op, torch._ops.OpOverload) else self._packets).add(op)
+            self._by_target[op] = name
+            if isinstance(op, torch._ops.OpOverloadPacket):
+                for function in torch_functions_for(op):
+                    self._by_target.setdefault(function, name)
+                if op._qualified_op_name.startswith("aten::") and hasattr(torch.Tensor, op.__name__):
+                    self._by_method.setdefault(op.__name__, name)
+
+    def match(self, node: fx.Node) -> str | None:
+        """The configured name `node` calls, or None."""
+        if node.op == "call_method":
+            return self._by_method.get(node.target)
+        if node.op != "call_function":
+            return None
+        target = node.target
+        try:
+            name = self._by_target.get(target)
+        except TypeError:  # an unhashable target
+            return None
+        if name is None and isinstance(target, torch._ops.OpOverload):
+            name = self._by_target.get(target.overloadpacket)
+        if name is None and isinstance(target, torch._ops.OpOverloadPacket):
+            name = next((n for op, n in self._by_target.items()
+                         if isinstance(op, torch._ops.OpOverload) and op.overloadpacket is target), None)
+        return name
 
     def __call__(self, node: fx.Node) -> bool:
-        if node.op != "call_function":
-            return False
-        target = node.target
-        if isinstance(target, torch._ops.OpOverload):
-            return target in self._overloads or target.overloadpacket in self._packets
-        if isinstance(target, torch._ops.OpOverloadPacket):
-            return target in self._packets or any(o.overloadpacket is target for o in self._overloads)
-        return False
+        return self.match(node) is not None
 
 
 def hop_name(node: fx.Node) -> str | None:
@@ -95,6 +152,34 @@ def contains_splitting_op(gm: fx.GraphModule, is_splitting: Callable[[fx.Node], 
         if hop_name(node) and any(contains_splitting_op(b, is_splitting) for b in hop_bodies(gm, node)):
             return True
     return False
+
+
+def _all_calls(gm: fx.GraphModule):
+    """Every node of gm and of the HOP bodies it calls, recursively."""
+    for node in gm.graph.nodes:
+        yield node
+        if hop_name(node):
+            for body in hop_bodies(gm, node):
+                yield from _all_calls(body)
+
+
+def unmatched_splitting_ops(gm: fx.GraphModule, matcher: SplittingOpMatcher) -> dict[str, list[str]]:
+    """Configured splitting ops that no call in gm (HOP bodies included) matches -> the calls of gm
+    with the nearest names, for the message that says so."""
+    matched, called = set(), set()
+    for node in _all_calls(gm):
+        matched.add(matcher.match(node))
+        called.add(op_display_name(node))
+    called.discard(None)
+    bare = {}
+    for display in sorted(called):
+        bare.setdefault(display.replace("::", ".").rsplit(".", 1)[-1], display)
+    unmatched = {}
+    for name in matcher.names:
+        if name not in matched:
+            wanted = name.replace("::", ".").split(".")[1] if "::" in name else name
+            unmatched[name] = [bare[b] for b in difflib.get_close_matches(wanted, list(bare), n=3, cutoff=0.5)]
+    return unmatched
 
 
 def _splitting_hop(gm: fx.GraphModule, node: fx.Node, is_splitting) -> bool:
