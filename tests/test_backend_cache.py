@@ -14,6 +14,9 @@ import time
 import pytest
 import torch
 
+from torch_ext.backend import environment
+from torch_ext.backend.environment import environment_factors
+
 import backend_models as bm
 from torch_ext.backend import CompileConfig, UnsafeCacheDirError, counters, make_backend
 from torch_ext.backend import cache as cache_mod
@@ -203,9 +206,75 @@ def test_same_model_and_config_share_a_directory_and_changes_do_not(tmp_path):
 def test_model_key_hashes_traced_sources(tmp_path):
     source = tmp_path / "model.py"
     source.write_text("x = 1\n")
-    before = cache_mod.model_key("cfg", [str(source)])
-    assert before == cache_mod.model_key("cfg", [str(source)])
+    env = {"torch": "2.x"}
+    before = cache_mod.model_key("cfg", [str(source)], env)
+    assert before == cache_mod.model_key("cfg", [str(source)], env)
     time.sleep(0.01)
     source.write_text("x = 2\n")
-    assert cache_mod.model_key("cfg", [str(source)]) != before
-    assert cache_mod.model_key("other", [str(source)]) != cache_mod.model_key("cfg", [str(source)])
+    assert cache_mod.model_key("cfg", [str(source)], env) != before
+    assert cache_mod.model_key("other", [str(source)], env) != cache_mod.model_key("cfg", [str(source)], env)
+
+
+def _graph(device: str = "cpu", collective: bool = False) -> torch.fx.GraphModule:
+    """A Dynamo-like graph: a placeholder with a fake example value, optionally an all_reduce."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    with torch._subclasses.FakeTensorMode():
+        x.meta["example_value"] = torch.empty(4, device=device)
+    out = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0")) if collective else x
+    graph.output(out)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _key(gm) -> str:
+    return cache_mod.model_key("cfg", [], environment_factors(gm))
+
+
+@pytest.mark.parametrize("change", ["triton", "cuda", "hip", "torch", "cpu isa"])
+def test_model_key_changes_with_the_software_and_cpu(monkeypatch, change):
+    gm = _graph()
+    before = _key(gm)
+    assert _key(gm) == before  # unchanged: a hit
+    if change == "triton":
+        monkeypatch.setattr(environment, "_version", lambda package: "9.9.9")
+    elif change in ("cuda", "hip"):
+        monkeypatch.setattr(torch.version, change, "99.9")
+    elif change == "torch":
+        monkeypatch.setattr(torch, "__version__", "2.99.0")
+    else:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "OTHER_ISA")
+    assert _key(gm) != before
+
+
+class _Props:
+    def __init__(self, name, major, minor):
+        self.name, self.major, self.minor = name, major, minor
+
+
+def test_model_key_changes_with_the_gpu_model_for_gpu_graphs(monkeypatch):
+    cpu_graph = _graph()
+    assert "gpus" not in environment_factors(cpu_graph)  # a CPU graph does not depend on the GPU
+    monkeypatch.setattr(environment, "_devices", lambda gm: {"cuda"})  # as if its inputs were on CUDA
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    gpus = {"H100": _Props("NVIDIA H100", 9, 0), "A100": _Props("NVIDIA A100", 8, 0)}
+    current = ["H100"]
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: gpus[current[0]])
+    h100 = _key(cpu_graph)
+    assert _key(cpu_graph) == h100
+    current[0] = "A100"
+    assert _key(cpu_graph) != h100
+
+
+def test_model_key_holds_the_rank_only_for_graphs_with_collectives(monkeypatch):
+    rank = [0]
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: rank[0])
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    with_collective, plain = _graph(collective=True), _graph()
+    assert environment.holds_collectives(with_collective) and not environment.holds_collectives(plain)
+    keys = {}
+    for rank[0] in (0, 1):
+        keys[rank[0]] = (_key(with_collective), _key(plain))
+    assert keys[0][0] != keys[1][0]  # per rank
+    assert keys[0][1] == keys[1][1]  # shared: the same code on every rank

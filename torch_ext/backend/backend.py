@@ -22,6 +22,7 @@ from torch_ext.backend.compiler import InductorCompiler
 from torch_ext.backend.cudagraph import CudaGraphManager
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.counters import counters
+from torch_ext.backend.environment import environment_factors
 from torch_ext.backend.piecewise import batch_symbol
 from torch_ext.backend.split import (INLINABLE_HOPS, SplitGraph, SplittingOpMatcher, hop_name, split_graph,
                                      unmatched_splitting_ops)
@@ -66,7 +67,7 @@ class TorchExtBackend:
         if dumper:
             dumper.graph("dynamo_graph.py", gm, "the graph Dynamo handed to the torch_ext backend")
 
-        store = self._store()
+        store = self._store(gm)
         group = PieceGroup(f"graph {index}", self.config, self.builder, store, batch_symbol(gm))
         split = split_graph(gm, self.matcher, self.config.hop_split)
         self._say_unmatched(gm, index)
@@ -99,13 +100,14 @@ class TorchExtBackend:
             log.warning("torch_ext: splitting op %s matches no call in graph %d, so the graph is not split "
                         "there%s (README, Backend: which names match).", name, index, hint)
 
-    def _store(self) -> ArtifactStore | None:
+    def _store(self, gm: fx.GraphModule) -> ArtifactStore | None:
         if not self.config.cache_dir:
             return None
         traced = torch._guards.TracingContext.get_traced_code() or []
         files = [code.co_filename for code in traced]
         try:
-            return ArtifactStore(self.config.cache_dir, model_key(self.config.artifact_hash(), files))
+            key = model_key(self.config.artifact_hash(), files, environment_factors(gm))
+            return ArtifactStore(self.config.cache_dir, key)
         except UnsafeCacheDirError:
             raise
         except OSError as e:  # e.g. a read-only home: compile without the disk cache

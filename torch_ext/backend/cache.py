@@ -1,7 +1,8 @@
 """The on-disk artifact cache, kept like a database.
 
 Layout: <cache_dir>/<model key>/{artifacts,locks,tmp}/. The model key hashes the config, the
-torch and Python versions and the source of every file Dynamo traced for the graph; an artifact
+environment (torch, Python, Triton, CUDA versions, CPU ISA, GPU models, the rank where the graph
+holds collectives) and the source of every file Dynamo traced for the graph; an artifact
 is named by the fingerprint of its piece and variant.
 
 * Writes are atomic: a private temp file in tmp/, fsync, then os.replace onto the final name.
@@ -20,12 +21,10 @@ import hashlib
 import logging
 import os
 import stat
-import sys
 import tempfile
 import time
 
 import filelock
-import torch
 
 from torch_ext.backend.counters import counters
 
@@ -64,12 +63,13 @@ def ensure_private_dir(path: str) -> None:
             "Set CompileConfig.cache_dir to a directory you own.")
 
 
-def model_key(config_hash: str, traced_files: list[str]) -> str:
-    """Directory key: config, torch/python versions, and the source of the files Dynamo traced."""
+def model_key(config_hash: str, traced_files: list[str], environment: dict[str, str]) -> str:
+    """Directory key: config, the environment (versions, hardware, rank: backend/environment.py),
+    and the source of the files Dynamo traced."""
     h = hashlib.sha256()
     h.update(f"config={config_hash}\n".encode())
-    h.update(f"torch={torch.__version__} git={torch.version.git_version}\n".encode())
-    h.update(f"python={sys.version}\n".encode())
+    for name, value in sorted(environment.items()):
+        h.update(f"{name}={value}\n".encode())
     for path in sorted(set(traced_files)):
         h.update(f"file={path} {_file_digest(path)}\n".encode())
     return h.hexdigest()[:32]
