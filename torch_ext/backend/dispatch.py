@@ -238,10 +238,10 @@ class GuardFreeDispatcher:
         return out
 
     def _warn_mismatch(self, args, kwargs) -> None:
-        mismatch = self.signatures[0].explain(args, kwargs)
-        if mismatch is None:  # cannot happen (the check refused the call); nothing to say
-            return
-        if (mismatch.kind, mismatch.subject) in self._noted:
+        # What the newest variant, else an older one, says that has not been said yet.
+        mismatches = [m for m in (s.explain(args, kwargs) for s in self.signatures) if m is not None]
+        mismatch = next((m for m in mismatches if (m.kind, m.subject) not in self._noted), None)
+        if mismatch is None:
             return
         self._noted.add((mismatch.kind, mismatch.subject))
         hint = {
@@ -263,9 +263,14 @@ class GuardFreeDispatcher:
             # Dynamo ran code compiled before: for another instance of this forward (served from its
             # cache on a first call), or code this dispatcher did not arm (its check is stricter).
             entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(self.code)
-            if self._variants or len(entries) != 1:
+            if self._variants:
                 self._note(("guarded",), "torch_ext: guard-free dispatch of %s: a call ran through torch.compile's "
                            "guards without a new compile; calls like it keep doing so", self.func.__qualname__)
+                return
+            if len(entries) != 1:
+                self._note(("no code",), "torch_ext: guard-free dispatch could not find the code Dynamo generated "
+                           "for %s; calls keep going through torch.compile (with guards).", self.func.__qualname__,
+                           warn=True)
                 return
             code = entries[0].code
             inputs = _graph_inputs_of_code.get(code)  # None: every size checked as in this call

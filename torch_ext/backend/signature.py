@@ -12,7 +12,7 @@ run the same code:
     (a contiguous stride) must still equal them;
   * Python scalars: ints Dynamo specialized, floats, bools, strings and None by value; ints it
     made symbolic by type; containers by type and length (dicts: keys); other objects by type;
-  * the same tensor passed twice stays the same tensor;
+  * the same tensor passed twice stays the same tensor, distinct tensors stay distinct objects;
   * global state Dynamo guards (grad mode, autocast, ...; Dynamo's GlobalStateGuard).
 
 Not checked (the caller's promise, as before): module attributes, parameters and buffers, globals
@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
+import re
 from typing import Any, Callable
 
 import sympy
@@ -243,11 +244,14 @@ class CallSignature:
                                                 f"was compiled for {c.what}")
         tensors = [eval(path, scope) for path, _ in self._tensors]
         verbose = compat.tensor_guards_reason(self._tensor_guards, tensors, [p for p, _ in self._tensors])
-        if verbose is not None:
-            name, _, what = verbose.removeprefix("tensor ").partition(" ")
-            subject = f"{name} {what.split('. expected')[0]}"
-            return Mismatch("size" if "size mismatch" in what else "structure", subject,
-                            f"argument {name.strip(chr(39))} does not match the compiled code: {what}")
+        if verbose is not None:  # "tensor 'x' size mismatch at index 0. expected 1, actual 8", or aliasing
+            match = re.match(r"tensor '(.*?)' (.*)", verbose)
+            if match is None:
+                return Mismatch("structure", verbose, f"the call's tensors do not match the compiled code: {verbose}")
+            name, what = match.groups()
+            return Mismatch("size" if what.startswith("size mismatch") else "structure",
+                            f"{name} {what.split('. expected')[0]}",
+                            f"argument {name} does not match the compiled code: {what}")
         for c in self._relation_conditions:
             if not eval(c.code, scope):
                 return Mismatch("relation", c.path, f"{c.path} is {eval(c.path, scope)}; the code was compiled "
