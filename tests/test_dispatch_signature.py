@@ -247,3 +247,21 @@ def test_a_device_change_is_refused_by_the_check():
     assert not signature.check(meta)
     mismatch = signature.explain((meta,), {})
     assert mismatch.kind == "structure" and "dispatch key set mismatch" in mismatch.message
+
+
+def test_lists_of_tensors_are_unpacked_in_the_check_unless_aliased():
+    from torch_ext.backend.signature import CallSignature
+
+    def f(xs, pairs):
+        pass
+
+    a, b = torch.randn(2), torch.randn(3)
+    signature = CallSignature(f, None, ([a, b], [(a, b), (b, b)]), {}, {})
+    assert "__te_tensors(*xs)" in signature.source  # pairs holds the same tensors again
+    assert "(pairs[0][0] is xs[0])" in signature.source and "(pairs[1][1] is xs[1])" in signature.source
+    assert signature.check([a, b], [(a, b), (b, b)])
+    assert not signature.check([a, b], [(a, b), (b, a)])
+    assert not signature.check([a, b, b], [(a, b), (b, b)])
+    assert not signature.check([b, a], [(b, a), (a, a)])  # sizes are constants here
+    assert signature.explain(([a, b], [(a, b), (b, b), (a, a)]), {}).message == \
+        "argument pairs is a list of length 3; the code was compiled for a list of length 2"

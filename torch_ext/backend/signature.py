@@ -73,6 +73,7 @@ class CallSignature:
         self._ns: dict[str, Any] = dict(_BUILTINS)
         self._conditions: list[_Condition] = []
         self._tensors: list[tuple[str, torch.Tensor]] = []  # (path, tensor)
+        self._tensor_args: list[str] = []  # how the check passes them: paths, or *path for a list of tensors
         self._tensor_sizes: list[list[int | None]] = []
         self._tensor_strides: list[list[int | None]] = []
         self._symbolic: list[tuple[str, Any, int]] = []  # (path expression, sympy expr, value at this call)
@@ -108,8 +109,11 @@ class CallSignature:
         elif typ in (list, tuple):
             self._conditions.append(_Condition(f"__te_type({path}) is {self._const(typ)} and __te_len({path}) == "
                                                f"{len(value)}", path, f"a {typ.__name__} of length {len(value)}"))
+            start = len(self._tensor_args)
             for i, item in enumerate(value):
                 self._walk(f"{path}[{i}]", f"{source}[{i}]", item)
+            if value and len(self._tensor_args) - start == len(value) and all(type(t) is torch.Tensor for t in value):
+                self._tensor_args[start:] = [f"*{path}"]  # its length is checked: unpack it in C
         elif typ is dict and all(type(k) in (str, int) for k in value):
             keys = self._const(list(value))
             self._conditions.append(_Condition(f"__te_type({path}) is {self._const(dict)} and __te_list({path}) == "
@@ -160,6 +164,7 @@ class CallSignature:
                     access = f"{path}.shape[{d}]" if kind == "shape" else f"{path}.stride({d})"
                     self._symbolic.append((access, expr, int(n)))
         self._tensors.append((path, value))
+        self._tensor_args.append(path)
         self._tensor_sizes.append(sizes)
         self._tensor_strides.append(strides)
 
@@ -203,7 +208,7 @@ class CallSignature:
         return ", ".join(parts)
 
     def _generate(self, relations: list[_Condition]) -> Callable[..., bool]:
-        tensors = ", ".join(path for path, _ in self._tensors)
+        tensors = ", ".join(self._tensor_args)
         self._ns["__te_tensors"] = self._tensor_guards.check
         checks = ["__te_global_state()"] + [c.code for c in self._conditions]
         lines = [f"def {self.name.rpartition('.')[2]}({self._parameter_list()}):",
