@@ -265,3 +265,16 @@ def test_lists_of_tensors_are_unpacked_in_the_check_unless_aliased():
     assert not signature.check([b, a], [(b, a), (a, a)])  # sizes are constants here
     assert signature.explain(([a, b], [(a, b), (b, b), (a, a)]), {}).message == \
         "argument pairs is a list of length 3; the code was compiled for a list of length 2"
+
+
+def test_a_call_that_cannot_be_described_stays_on_the_guarded_path(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise ValueError("no")
+
+    monkeypatch.setattr(dispatch, "CallSignature", refuse)
+    compiled = dispatch.compile(MLP(), CompileConfig(cache_dir=None, guard_free_dispatch=True))
+    x = torch.randn(3, 4)
+    with pytest.warns(GuardFreeDispatchWarning, match=r"cannot check calls like this one \(ValueError: no\)"):
+        out = compiled(x)
+    torch.testing.assert_close(compiled(x), out)
+    assert compiled.calls == 2 and counters.graphs_seen == 1  # Dynamo's guards served the second call

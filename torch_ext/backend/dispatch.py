@@ -282,7 +282,13 @@ class GuardFreeDispatcher:
             self._note(("limit",), "torch_ext: guard-free dispatch of %s has armed %d variants; calls matching none "
                        "go through torch.compile (with guards)", self.func.__qualname__, MAX_VARIANTS, warn=True)
             return
-        signature = CallSignature(self.func, self.self_arg, args, kwargs, inputs)
+        try:
+            signature = CallSignature(self.func, self.self_arg, args, kwargs, inputs)
+        except Exception as e:  # an argument we cannot describe: guards keep checking such calls
+            self._note(("signature",), "torch_ext: guard-free dispatch of %s cannot check calls like this one "
+                       "(%s: %s); they go through torch.compile (with guards)", self.func.__qualname__,
+                       type(e).__name__, e, warn=True)
+            return
         if not signature.check(*args, **kwargs):  # e.g. an argument the call itself changed
             self._note(("unmatched",), "torch_ext: guard-free dispatch of %s: a compiled call does not match its own "
                        "signature (%s); it is not armed", self.func.__qualname__, signature.explain(args, kwargs))
