@@ -278,3 +278,30 @@ def test_a_call_that_cannot_be_described_stays_on_the_guarded_path(monkeypatch):
         out = compiled(x)
     torch.testing.assert_close(compiled(x), out)
     assert compiled.calls == 2 and counters.graphs_seen == 1  # Dynamo's guards served the second call
+
+
+class Settings:  # not a dataclass: checked by identity
+    def __init__(self, offset):
+        self.offset = offset
+
+
+def test_sizes_numbers_and_other_objects():
+    def f(x, shape, k, settings):
+        return x.reshape(shape) * k + settings.offset
+
+    compiled = dispatch.compile(f, CompileConfig(cache_dir=None, guard_free_dispatch=True))
+    x, settings = torch.randn(6), Settings(1.0)
+    calls = [(torch.Size([2, 3]), 2.0, settings), (torch.Size([2, 3]), 2.0, settings),
+             (torch.Size([3, 2]), 2.0, settings), ((2, 3), 2.0, settings), (torch.Size([2, 3]), 3, settings),
+             (torch.Size([2, 3]), 2.0, Settings(5.0))]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for shape, k, s in calls:
+            torch.testing.assert_close(compiled(x, shape, k, s), f(x, shape, k, s))
+    said = messages(record)
+    assert "argument shape[0] is 3; the code was compiled for 2" in said[0]
+    assert "argument shape is a tuple of length 2; the code was compiled for a Size of length 2" in said[1]
+    assert "argument k is 3; the code was compiled for 2.0" in said[2]
+    assert "argument settings is a Settings; the code was compiled for another Settings object" in said[3]
+    assert "Pass a dataclass" in said[3]
+    assert compiled.calls == 5

@@ -10,15 +10,16 @@
 The check (a few us; see README) covers what the compiled code assumed about the arguments: tensor
 dtypes, devices, ranks, requires_grad, the sizes and strides Dynamo specialized (a first call at
 batch 1 specializes the batch dim to 1), equalities between symbolic sizes, the ints it specialized,
-other Python scalars, container structure, and the global state Dynamo guards (grad mode, autocast).
+other Python scalars, container structure, other objects by identity, and the global state Dynamo
+guards (grad mode, autocast).
 A call that does not match goes through torch.compile with its guards: Dynamo compiles code for it
 (its automatic dynamic shapes make a dim that changed symbolic), and that code is armed too
 (newest first, up to 8 variants). One GuardFreeDispatchWarning per kind of mismatch says why.
 
 What Dynamo's guards would also check stays the caller's promise (the contract):
   * Python state the forward reads besides its arguments (module attributes, parameters and
-    buffers, globals, config flags, attributes of objects other than dataclasses) keeps its
-    first-call value: it is frozen into the code.
+    buffers, globals, config flags, attributes of an object argument passed again after it
+    changed) keeps its value at the compile: it is frozen into the code.
   * Sizes along dims compiled as symbolic may take any value: the bounds Dynamo's shape guards put
     on them are not checked. Batch 1 runs the symbolic graph, which is valid for it (plain
     torch.compile would specialize it into another graph).
@@ -238,8 +239,9 @@ class GuardFreeDispatcher:
         return out
 
     def _warn_mismatch(self, args, kwargs) -> None:
-        # What the newest variant, else an older one, says that has not been said yet.
+        # What the variant the call got furthest with (the newest among equals) says, unless said already.
         mismatches = [m for m in (s.explain(args, kwargs) for s in self.signatures) if m is not None]
+        mismatches.sort(key=lambda m: -m.progress)
         mismatch = next((m for m in mismatches if (m.kind, m.subject) not in self._noted), None)
         if mismatch is None:
             return
@@ -251,6 +253,7 @@ class GuardFreeDispatcher:
             "value": " Dynamo specialized this argument to its value; after this recompile it is symbolic where "
                      "Dynamo can make it so (automatic dynamic).",
             "state": " Make every call in the state of the first (e.g. always under torch.no_grad()).",
+            "object": " Pass a dataclass (its fields are checked), or the object's tensors and ints as arguments.",
         }.get(mismatch.kind, "")
         warnings.warn(f"torch_ext: guard-free dispatch of {self.func.__qualname__}: {mismatch.message}. This call goes "
                       f"through torch.compile with guards; Dynamo compiles code for it where they fail, and later "

@@ -10,14 +10,16 @@ run the same code:
     C++ call (Dynamo's own TensorGuards); sizes Dynamo compiled as one symbol (duck sizing, e.g.
     two inputs with the same batch) must stay equal, sizes compiled as expressions of them
     (a contiguous stride) must still equal them;
-  * Python scalars: ints Dynamo specialized, floats, bools, strings and None by value; ints it
-    made symbolic by type; containers by type and length (dicts: keys); other objects by type;
+  * Python scalars: ints Dynamo specialized, floats, bools, strings, None, enums, dtypes and devices
+    by value; ints it made symbolic by type; containers by type and length (dicts: keys); other
+    objects by identity (Dynamo may have specialized on anything it read from them);
   * the same tensor passed twice stays the same tensor, distinct tensors stay distinct objects;
   * global state Dynamo guards (grad mode, autocast, ...; Dynamo's GlobalStateGuard).
 
 Not checked (the caller's promise, as before): module attributes, parameters and buffers, globals
-and closures the forward reads, attributes of other objects, and the bounds and relations Dynamo's
-shape guards put on symbolic sizes (a symbolic size is accepted at any value, 1 included).
+and closures the forward reads, attributes of an object passed again after it changed, and the
+bounds Dynamo's shape guards put on symbolic sizes (a symbolic size is accepted at any value, 1
+included).
 
 `graph_inputs` maps Dynamo's source names ("L['x']", "L['caches'][0]") to the fake values of the
 graph's placeholders (compat.graph_inputs_by_source): a tensor or int the graph did not take as an
@@ -28,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
+import numbers
 import re
 from typing import Any, Callable
 
@@ -38,7 +41,7 @@ from torch_ext import compat
 
 __all__ = ["CallSignature", "Mismatch"]
 
-_CONSTANT_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, enum.Enum)
+_CONSTANT_TYPES = (numbers.Number, str, bytes, type(None), torch.dtype, torch.device, enum.Enum)  # by value
 
 
 @dataclasses.dataclass
@@ -46,23 +49,24 @@ class _Condition:
     code: str  # a Python expression over the forward's parameters and the namespace
     path: str  # the argument it reads ("k_caches[0]")
     what: str  # for the explanation: what the compiled code assumed
-    kind: str = "structure"  # "structure", "value" (a specialized scalar), "relation"
+    kind: str = "structure"  # "structure", "value" (a specialized scalar), "object" (by identity)
 
 
 @dataclasses.dataclass(frozen=True)
 class Mismatch:
     """Why a call does not match. kind: "state" (global state), "structure" (types, lengths, keys,
-    tensor dtype/device/rank/strides), "value" (a scalar Dynamo specialized), "size" (a tensor size
+    tensor dtype/device/rank/strides), "value" (a scalar Dynamo specialized), "object" (another
+    object than the one compiled for), "size" (a tensor size
     compiled as a constant), "relation" (symbolic sizes no longer related as compiled)."""
 
     kind: str
     subject: str  # what differs, without the values (one warning per subject)
     message: str
+    progress: int = 0  # how many of the check's steps the call passed
 
 
 # Builtins the generated code uses, under names a forward's parameters cannot shadow.
-_BUILTINS = {"__te_type": type, "__te_len": len, "__te_list": list, "__te_int": int,
-             "__te_Tensor": torch.Tensor}
+_BUILTINS = {"__te_type": type, "__te_len": len, "__te_list": list, "__te_int": int}
 
 
 class CallSignature:
@@ -106,7 +110,7 @@ class CallSignature:
         typ = type(value)
         if isinstance(value, torch.Tensor):
             self._tensor(path, source, value)
-        elif typ in (list, tuple):
+        elif isinstance(value, (list, tuple)):  # torch.Size and namedtuples too
             self._conditions.append(_Condition(f"__te_type({path}) is {self._const(typ)} and __te_len({path}) == "
                                                f"{len(value)}", path, f"a {typ.__name__} of length {len(value)}"))
             start = len(self._tensor_args)
@@ -134,11 +138,13 @@ class CallSignature:
                 self._symbolic.append((path, expr, value))
         elif value is None or typ is bool:
             self._conditions.append(_Condition(f"{path} is {value!r}", path, f"{value!r}", "value"))
-        elif isinstance(value, _CONSTANT_TYPES) and not (typ is float and value != value):
+        elif isinstance(value, _CONSTANT_TYPES) and value == value:  # (not NaN)
             self._conditions.append(_Condition(f"__te_type({path}) is {self._const(typ)} and {path} == "
                                                f"{self._const(value)}", path, f"{value!r}", "value"))
-        else:
-            self._conditions.append(_Condition(f"__te_type({path}) is {self._const(typ)}", path, f"a {typ.__qualname__}"))
+        else:  # Dynamo may have specialized on anything it read from it
+            self._conditions.append(_Condition(f"{path} is {self._const(value)}", path,
+                                               f"another {typ.__qualname__} object (objects other than dataclasses "
+                                               "are checked by identity)", "object"))
 
     def _tensor(self, path: str, source: str, value: torch.Tensor) -> None:
         first = self._seen.get(id(value))
@@ -243,24 +249,26 @@ class CallSignature:
             reason = compat.global_state_reason(self._ns["__te_global_state"]).strip()
             return Mismatch("state", "global state", f"the global state Dynamo guards ({reason}) differs from "
                                                      "the compiled call's")
-        for c in self._conditions:
+        for step, c in enumerate(self._conditions, 1):
             if not eval(c.code, scope):
                 return Mismatch(c.kind, c.path, f"argument {c.path} is {_short(eval(c.path, scope))}; the code "
-                                                f"was compiled for {c.what}")
+                                                f"was compiled for {c.what}", step)
+        step = len(self._conditions) + 1
         tensors = [eval(path, scope) for path, _ in self._tensors]
         verbose = compat.tensor_guards_reason(self._tensor_guards, tensors, [p for p, _ in self._tensors])
         if verbose is not None:  # "tensor 'x' size mismatch at index 0. expected 1, actual 8", or aliasing
             match = re.match(r"tensor '(.*?)' (.*)", verbose)
             if match is None:
-                return Mismatch("structure", verbose, f"the call's tensors do not match the compiled code: {verbose}")
+                return Mismatch("structure", verbose, f"the call's tensors do not match the compiled code: {verbose}",
+                                step)
             name, what = match.groups()
             return Mismatch("size" if what.startswith("size mismatch") else "structure",
                             f"{name} {what.split('. expected')[0]}",
-                            f"argument {name} does not match the compiled code: {what}")
-        for c in self._relation_conditions:
+                            f"argument {name} does not match the compiled code: {what}", step)
+        for step, c in enumerate(self._relation_conditions, step + 1):
             if not eval(c.code, scope):
                 return Mismatch("relation", c.path, f"{c.path} is {eval(c.path, scope)}; the code was compiled "
-                                                    f"for it to be {c.what}")
+                                                    f"for it to be {c.what}", step)
         return None
 
 
