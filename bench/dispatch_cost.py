@@ -1,6 +1,6 @@
 """Host cost of a guard-free call, with and without the per-call signature check (CPU; no GPU needed).
 
-    python bench/dispatch_cost.py [--calls 5000] [--rounds 7] [--layers 16]
+    python bench/dispatch_cost.py [--calls 200] [--rounds 200] [--layers 16]
 
 Two models compiled by the torch_ext backend (Inductor pieces, disk cache in a temp dir), called at
 batch 4 under torch.no_grad() after their first call (batch dim marked dynamic):
@@ -8,7 +8,7 @@ batch 4 under torch.no_grad() after their first call (batch dim marked dynamic):
   decode    forward(x, k_caches, v_caches, pos) with one K and one V cache per layer (the decode
             benchmark's signature: 2 * layers + 1 tensors and an int); each layer reads one element
             of its caches, so the compiled code is small and the host cost is mostly dispatch
-Peers, timed in interleaved rounds (median of the rounds):
+Peers, timed in interleaved rounds (median of the rounds; one intra-op thread):
   torch.compile   the same backend through torch.compile: Dynamo's guards on every call
   unchecked       the guard-free fast path before the signature check: Dynamo's transformed code
                   called directly (what GuardFreeDispatcher.__call__ did)
@@ -70,7 +70,7 @@ class Unchecked:
 
 
 def per_call_us(fn, args, calls: int) -> float:
-    for _ in range(100):
+    for _ in range(10):
         fn(*args)
     start = time.perf_counter()
     for _ in range(calls):
@@ -95,10 +95,11 @@ def peers(model, first_args, args, cache_dir):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=5000)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--layers", type=int, default=16)
     args = parser.parse_args()
+    torch.set_num_threads(1)  # host cost, not kernel speed: one thread is steadier on a shared CPU
     torch.manual_seed(0)
     cache_dir = tempfile.mkdtemp(prefix="torch_ext_dispatch_cost_")
     caches = lambda: [torch.randn(MAX_BATCH, MAX_POS, 2, HIDDEN) for _ in range(args.layers)]  # noqa: E731
