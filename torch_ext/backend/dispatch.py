@@ -265,11 +265,11 @@ class GuardFreeDispatcher:
         if code is None:
             # Dynamo ran code compiled before: for another instance of this forward (served from its
             # cache on a first call), or code this dispatcher did not arm (its check is stricter).
-            entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(self.code)
             if self._variants:
                 self._note(("guarded",), "torch_ext: guard-free dispatch of %s: a call ran through torch.compile's "
                            "guards without a new compile; calls like it keep doing so", self.func.__qualname__)
                 return
+            entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(self.code)
             if len(entries) != 1:
                 self._note(("no code",), "torch_ext: guard-free dispatch could not find the code Dynamo generated "
                            "for %s; calls keep going through torch.compile (with guards).", self.func.__qualname__,
