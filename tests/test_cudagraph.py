@@ -114,6 +114,14 @@ def test_capture_sizes_runs_the_largest_first_warmups_plus_capture():
     assert calls == [8, 8, 8, 4, 4, 4, 1, 1, 1]
 
 
+def test_compile_sizes_that_calls_are_padded_past_are_named_once(caplog):
+    with caplog.at_level("WARNING", logger="torch_ext.backend.cudagraph"):
+        backend(simulated=False, compile_sizes=(1, 3, 4, 6, 16))  # capture sizes 2, 4, 8
+        backend(simulated=False, compile_sizes=(2, 4, 8, 16))
+    (record,) = [r for r in caplog.records if "compile_sizes" in r.getMessage()]
+    assert "compile_sizes [1, 3, 6] are not cudagraph_capture_sizes" in record.getMessage()
+
+
 # -- piecewise, simulated graphs -----------------------------------------------------------------
 
 

@@ -70,6 +70,28 @@ def test_guard_free_dispatch_with_cuda_graphs_serves_batch_one_from_the_symbolic
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_guard_free_dispatch_in_natural_call_order_matches_eager(mode):
+    """Batch 1 first compiles the batch dim as 1; the batch-8 call used to replay into it (broadcast
+    error). Now it recompiles once, with a GuardFreeDispatchWarning, and every call matches eager."""
+    from torch_ext.backend.dispatch import GuardFreeDispatchWarning
+
+    model = cm.TinyDecoder(layers=2).cuda()
+    compiled = torch_ext.backend.dispatch.compile(model, config(mode, guard_free_dispatch=True, compile_sizes=(1, 8)))
+    gk, gv = model.caches("cuda")
+    ek, ev = [t.clone() for t in gk], [t.clone() for t in gv]
+    with pytest.warns(GuardFreeDispatchWarning, match=r"size mismatch at index 0. expected 1, actual 8"):
+        for i, n in enumerate([1, 8, 3, 1, 17, 8, 1, 3, 8, 1, 3, 64]):
+            x = torch.randn(n, cm.D_MODEL, device="cuda")
+            with torch.no_grad():
+                actual = compiled(x, gk, gv, POS).clone()
+                expected = model(x, ek, ev, POS)
+            torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4, msg=f"call {i}, batch {n}")
+            for a, e in zip(gk + gv, ek + ev):
+                torch.testing.assert_close(a if mode == "piecewise" else a[:n], e if mode == "piecewise" else e[:n])
+    assert compiled.calls == 2 and cudagraph_stats.replays > 0
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
 def test_buffer_mutation_is_refused(mode):
     from test_cudagraph import MutatesBuffer
 

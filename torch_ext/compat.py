@@ -264,3 +264,56 @@ def restart_with_floats_specialized(names: list[str]):
     for name in names:
         TensorifyState.specialize(name)
     raise TensorifyScalarRestartAnalysis
+
+
+# --- guard-free dispatch (backend/dispatch.py, backend/signature.py) ------------------------------
+
+def source_name(source) -> str:
+    """Dynamo's name of a source, "L['caches'][0]": a method on 2.9.1, a property from 2.13."""
+    name = source.name
+    return name if isinstance(name, str) else name()
+
+
+def graph_inputs_by_source(gm) -> dict[str, Any]:
+    """The placeholders of a graph Dynamo hands a backend, by the name of the source Dynamo reads
+    each from ("L['x']", "L['caches'][0]", "L['self']._modules['lin']._parameters['weight']"),
+    with their example values (fake tensors, SymInts). Dynamo puts a GraphArg in every placeholder's
+    meta["grapharg"] (2.9.1 .. 2.14.1)."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        grapharg = node.meta.get("grapharg")
+        source = getattr(grapharg, "source", None)
+        if source is not None:
+            out[source_name(source)] = node.meta.get("example_value", node.meta.get("val"))
+    return out
+
+
+def tensor_guards(tensors: list, sizes: list, strides: list):
+    """Dynamo's C++ tensor check (its TENSOR_MATCH guard): dispatch keys (device type, inference
+    tensors), dtype, device index, requires_grad, rank, and the sizes and strides given as ints
+    (None: any). `.check(*tensors)` -> bool. Same constructor on 2.9.1 .. 2.14.1."""
+    from torch._C._dynamo.guards import TensorGuards
+
+    return TensorGuards(*tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
+
+
+def tensor_guards_reason(guards, tensors: list, names: list[str]) -> str | None:
+    """Why `tensors` fail `guards` ("tensor 'x' size mismatch at index 0. expected 1, actual 8"), or
+    None. check_verbose crashes the process without tensor_check_names (2.9.1 .. 2.14.1): pass them."""
+    result = guards.check_verbose(*tensors, tensor_check_names=names)
+    return None if result is True else str(result)
+
+
+def global_state_guard():
+    """Dynamo's check of the global state it guards on every frame (grad mode, autocast,
+    deterministic algorithms, default dtype, ...), as it is now: `.check()` -> bool."""
+    from torch._C._dynamo.guards import GlobalStateGuard
+
+    return GlobalStateGuard()
+
+
+def global_state_reason(check) -> str:
+    """What differs from the state a global_state_guard() recorded (its bound `.check` method)."""
+    return check.__self__.reason()

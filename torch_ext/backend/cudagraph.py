@@ -675,6 +675,12 @@ class CudaGraphManager:
         self._output_storages: dict[int, Any] = {}  # storage address -> capture size of the graph writing it
         self._noted: set = set()
         self.groups: list[_Group] = []  # one per compiled graph, for inspection
+        padded_away = [n for n in config.compile_sizes if self.sizes and n < self.sizes[-1] and n not in self.sizes]
+        if padded_away:
+            log.warning("torch_ext: compile_sizes %s are not cudagraph_capture_sizes: a call at such a batch size is "
+                        "padded to the next capture size before the pieces run, so these compiles serve only calls "
+                        "that run without CUDA graphs (recording autograd, regions that cannot be captured, no "
+                        "CUDA). Add them to cudagraph_capture_sizes, or drop them.", list(padded_away))
 
     def graphs_available(self) -> bool:
         return torch.cuda.is_available()

@@ -1,23 +1,33 @@
-"""Guard-free dispatch: after Dynamo's first compile of a forward, call the bytecode it produced directly.
+"""Guard-free dispatch: after Dynamo compiles a forward, call the bytecode it produced directly.
 
     compiled = torch_ext.compile(model, CompileConfig(..., guard_free_dispatch=True))
     compiled(x, ...)     # 1st call: torch.compile (fullgraph) compiles; a bytecode hook records the
-                         #   transformed code of `forward`
-    compiled(x, ...)     # later calls: that code runs as a plain Python function; Dynamo and its
-                         #   guards are not consulted
+                         #   transformed code of `forward`, the backend the graph's inputs
+    compiled(x, ...)     # later calls: one generated check of the call's signature (signature.py),
+                         #   then that code runs as a plain Python function; Dynamo's guards are
+                         #   not consulted
 
-What Dynamo's guards would check is then the caller's promise (the contract):
-  * The first call is representative: every later call takes the same code path, with the same
-    dtypes, devices, grad mode and Python values the forward reads (module attributes, globals,
-    config flags). They are frozen at their first-call values; no recompile ever happens.
-  * Sizes vary only along dims the first compile made dynamic. Mark the batch dim with
-    torch._dynamo.mark_dynamic (or compile with dynamic=True) and make the first call with a batch
-    of at least 2: Dynamo specializes sizes 0 and 1, and a specialized graph would then serve every
-    batch. Later calls at batch 1 run the symbolic graph, which is valid for it.
+The check (a few us; see README) covers what the compiled code assumed about the arguments: tensor
+dtypes, devices, ranks, requires_grad, the sizes and strides Dynamo specialized (a first call at
+batch 1 specializes the batch dim to 1), equalities between symbolic sizes, the ints it specialized,
+other Python scalars, container structure, other objects by identity, and the global state Dynamo
+guards (grad mode, autocast).
+A call that does not match goes through torch.compile with its guards: Dynamo compiles code for it
+(its automatic dynamic shapes make a dim that changed symbolic), and that code is armed too
+(newest first, up to 8 variants). One GuardFreeDispatchWarning per kind of mismatch says why.
+
+What Dynamo's guards would also check stays the caller's promise (the contract):
+  * Python state the forward reads besides its arguments (module attributes, parameters and
+    buffers, globals, config flags, attributes of an object argument passed again after it
+    changed) keeps its value at the compile: it is frozen into the code.
+  * Sizes along dims compiled as symbolic may take any value: the bounds Dynamo's shape guards put
+    on them are not checked. Batch 1 runs the symbolic graph, which is valid for it (plain
+    torch.compile would specialize it into another graph).
   * The forward compiles to one graph (fullgraph=True): no graph breaks.
   * nn.Module forward hooks do not run (the forward is called directly, as vLLM does).
 
-The transformed code goes, decompiled by depyf, to <debug_dump_dir>/guard_free_<pid>_<name>.py.
+The transformed code goes, decompiled by depyf, to <debug_dump_dir>/guard_free_<pid>_<name>.py
+(later variants: <name>.<k>.py), headed by the generated check.
 
 With CUDA graphs on (cudagraph_mode != "none"), whatever the dispatch: a forward that assigns a
 module buffer or parameter (`self.buf = ...`) makes Dynamo's code store a new tensor into the
@@ -36,18 +46,27 @@ import os
 import threading
 import types
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from torch_ext import compat
 from torch_ext.backend.cudagraph import CudaGraphBufferMutationError, CudaGraphError
+from torch_ext.backend.signature import CallSignature
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GuardFreeDispatcher", "buffer_assignments", "compile", "expect_transformed_code"]
+__all__ = ["GuardFreeDispatchWarning", "GuardFreeDispatcher", "buffer_assignments", "compile",
+           "expect_transformed_code"]
 
-_local = threading.local()  # the dispatcher whose first call is compiling, in this thread
+MAX_VARIANTS = 8  # armed codes per forward (Dynamo's own recompile_limit defaults to 8 as well)
+
+_local = threading.local()  # the dispatcher whose call is going through torch.compile, in this thread
+# Dynamo's transformed code -> the inputs of the graph compiled with it (for code Dynamo later serves
+# to another dispatcher of the same forward from its cache).
+_graph_inputs_of_code: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _hook_handle = None
 # (compile id, what) for frames in which a backend with CUDA graphs compiled a graph; the hook for
 # the same compile checks the frame's code (entries of aborted compiles are dropped).
@@ -68,10 +87,16 @@ def expect_transformed_code(what: str) -> None:
     _ensure_hook()
 
 
+class GuardFreeDispatchWarning(UserWarning):
+    """A guard-free call did not match the code compiled so far and went through torch.compile."""
+
+
 def _bytecode_hook(code: types.CodeType, new_code: types.CodeType):
     dispatcher = getattr(_local, "dispatcher", None)
-    if dispatcher is not None and code is dispatcher.code and dispatcher.transformed is None:
-        dispatcher.transformed = new_code
+    if dispatcher is not None and code is dispatcher.code:
+        dispatcher._new_code = new_code
+        if dispatcher._graph_inputs is not None:
+            _graph_inputs_of_code[new_code] = dispatcher._graph_inputs
     if _pending_checks:
         current = torch._guards.CompileContext.current_compile_id()
         mine = [what for compile_id, what in _pending_checks if compile_id == current]
@@ -144,7 +169,8 @@ def _unwrap(e: BaseException) -> BaseException:
 
 
 class GuardFreeDispatcher:
-    """Calls a forward through torch.compile once, then through Dynamo's transformed code directly."""
+    """Calls a forward through torch.compile, then through Dynamo's transformed code directly for
+    every call matching the signature that code was compiled for."""
 
     def __init__(self, model: nn.Module | Callable, backend: Callable, *, dynamic: bool | None = None,
                  debug_dir: str | None = None):
@@ -162,29 +188,43 @@ class GuardFreeDispatcher:
         self.code = func.__code__
         self.self_arg = self_arg
         self.debug_dir = debug_dir
-        self.compiled = torch.compile(model, backend=backend, dynamic=dynamic, fullgraph=True)
-        self.transformed: types.CodeType | None = None
-        self._fast: Callable | None = None
-        self.calls = 0  # calls that went through Dynamo (1 once dispatch is armed)
+        self.backend = backend
+        self.compiled = torch.compile(model, backend=self._record_graph_inputs, dynamic=dynamic, fullgraph=True)
+        self.signatures: list[CallSignature] = []  # of the armed variants, newest first
+        self._variants: list[tuple[Callable[..., bool], Callable]] = []  # (check, code as a function)
+        self._new_code: types.CodeType | None = None  # set by the bytecode hook during a guarded call
+        self._graph_inputs: dict | None = None  # set by the backend during a guarded call
+        self._noted: set = set()
+        self.calls = 0  # calls that went through Dynamo (1 while every call matches the first)
         _ensure_hook()
 
     def __repr__(self) -> str:
-        state = "armed" if self._fast is not None else "not compiled yet"
+        state = f"{len(self._variants)} armed" if self._variants else "not compiled yet"
         return f"GuardFreeDispatcher({self.func.__qualname__}, {state})"
 
     def __call__(self, *args, **kwargs):
-        fast = self._fast
-        if fast is not None:
-            return fast(*args, **kwargs)
-        return self._first_call(args, kwargs)
+        for check, fast in self._variants:
+            if check(*args, **kwargs):
+                return fast(*args, **kwargs)
+        return self._guarded_call(args, kwargs)
 
     def __getattr__(self, name: str) -> Any:  # reach the module's attributes, as OptimizedModule does
         if name == "model":
             raise AttributeError(name)
         return getattr(self.model, name)
 
-    def _first_call(self, args, kwargs):
+    def _record_graph_inputs(self, gm, example_inputs):
+        """The backend torch.compile calls: records what the graph takes from the call, then compiles."""
+        inputs = compat.graph_inputs_by_source(gm)
+        compiled = self.backend(gm, example_inputs)
+        self._graph_inputs = inputs  # only once compiled: Dynamo may restart an attempt
+        return compiled
+
+    def _guarded_call(self, args, kwargs):
+        if self.signatures:
+            self._warn_mismatch(args, kwargs)
         self.calls += 1
+        self._new_code = self._graph_inputs = None
         _local.dispatcher = self
         try:
             out = self.compiled(*args, **kwargs)
@@ -195,35 +235,95 @@ class GuardFreeDispatcher:
             raise ours from None  # its message says it all; Dynamo's wrapper only adds noise
         finally:
             _local.dispatcher = None
-        self._arm()
+        self._arm(args, kwargs)
         return out
 
-    def _arm(self) -> None:
-        code = self.transformed
+    def _warn_mismatch(self, args, kwargs) -> None:
+        # What the variant the call got furthest with (the newest among equals) says, unless said already.
+        mismatches = [m for m in (s.explain(args, kwargs) for s in self.signatures) if m is not None]
+        mismatches.sort(key=lambda m: -m.progress)
+        mismatch = next((m for m in mismatches if (m.kind, m.subject) not in self._noted), None)
+        if mismatch is None:
+            return
+        self._noted.add((mismatch.kind, mismatch.subject))
+        hint = {
+            "size": " To compile one graph for all sizes, mark the dim dynamic before the first call "
+                    "(torch._dynamo.mark_dynamic(tensor, dim)) and make that call with a size of at least 2: "
+                    "Dynamo specializes sizes 0 and 1.",
+            "value": " Dynamo specialized this argument to its value; after this recompile it is symbolic where "
+                     "Dynamo can make it so (automatic dynamic).",
+            "state": " Make every call in the state of the first (e.g. always under torch.no_grad()).",
+            "object": " Pass a dataclass (its fields are checked), or the object's tensors and ints as arguments.",
+        }.get(mismatch.kind, "")
+        warnings.warn(f"torch_ext: guard-free dispatch of {self.func.__qualname__}: {mismatch.message}. This call goes "
+                      f"through torch.compile with guards; Dynamo compiles code for it where they fail, and later "
+                      f"calls like it run that code without guards.{hint}", GuardFreeDispatchWarning, stacklevel=4)
+
+    def _arm(self, args, kwargs) -> None:
+        code, inputs = self._new_code, self._graph_inputs
+        self._new_code = self._graph_inputs = None
         if code is None:
-            # Dynamo may have served the first call from a cache entry compiled for another instance.
+            # Dynamo ran code compiled before: for another instance of this forward (served from its
+            # cache on a first call), or code this dispatcher did not arm (its check is stricter).
+            if self._variants:
+                self._note(("guarded",), "torch_ext: guard-free dispatch of %s: a call ran through torch.compile's "
+                           "guards without a new compile; calls like it keep doing so", self.func.__qualname__)
+                return
             entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(self.code)
-            if len(entries) == 1:
-                code = entries[0].code
-        if code is None or code.co_freevars != self.code.co_freevars:
-            warnings.warn(f"torch_ext: guard-free dispatch could not find the code Dynamo generated for "
-                          f"{self.func.__qualname__}; calls keep going through torch.compile (with guards).")
-            self._fast = self.compiled
+            if len(entries) != 1:
+                self._note(("no code",), "torch_ext: guard-free dispatch could not find the code Dynamo generated "
+                           "for %s; calls keep going through torch.compile (with guards).", self.func.__qualname__,
+                           warn=True)
+                return
+            code = entries[0].code
+            inputs = _graph_inputs_of_code.get(code)  # None: every size checked as in this call
+        if code.co_freevars != self.code.co_freevars:
+            self._note(("freevars",), "torch_ext: guard-free dispatch could not use the code Dynamo generated "
+                       "for %s; calls go through torch.compile (with guards)", self.func.__qualname__, warn=True)
+            return
+        if len(self._variants) >= MAX_VARIANTS:
+            self._note(("limit",), "torch_ext: guard-free dispatch of %s has armed %d variants; calls matching none "
+                       "go through torch.compile (with guards)", self.func.__qualname__, MAX_VARIANTS, warn=True)
+            return
+        try:
+            signature = CallSignature(self.func, self.self_arg, args, kwargs, inputs)
+        except Exception as e:  # an argument we cannot describe: guards keep checking such calls
+            self._note(("signature",), "torch_ext: guard-free dispatch of %s cannot check calls like this one "
+                       "(%s: %s); they go through torch.compile (with guards)", self.func.__qualname__,
+                       type(e).__name__, e, warn=True)
+            return
+        if not signature.check(*args, **kwargs):  # e.g. an argument the call itself changed
+            self._note(("unmatched",), "torch_ext: guard-free dispatch of %s: a compiled call does not match its own "
+                       "signature (%s); it is not armed", self.func.__qualname__, signature.explain(args, kwargs))
             return
         fn = types.FunctionType(code, self.func.__globals__, self.func.__name__, self.func.__defaults__,
                                 self.func.__closure__)
         fn.__kwdefaults__ = self.func.__kwdefaults__
-        self._fast = functools.partial(fn, self.self_arg) if self.self_arg is not None else fn
+        fast = functools.partial(fn, self.self_arg) if self.self_arg is not None else fn
+        self._variants.insert(0, (signature.check, fast))
+        self.signatures.insert(0, signature)
         if self.debug_dir:
-            self._dump(code)
-        log.info("torch_ext: guard-free dispatch armed for %s", self.func.__qualname__)
+            self._dump(code, signature, len(self._variants) - 1)
+        log.info("torch_ext: guard-free dispatch armed variant %d of %s", len(self._variants), self.func.__qualname__)
 
-    def _dump(self, code: types.CodeType) -> None:
+    def _note(self, key, msg: str, *args, warn: bool = False) -> None:
+        if key in self._noted:
+            return
+        self._noted.add(key)
+        if warn:
+            warnings.warn(msg % args, GuardFreeDispatchWarning, stacklevel=5)
+        else:
+            log.info(msg, *args)
+
+    def _dump(self, code: types.CodeType, signature: CallSignature, index: int) -> None:
         os.makedirs(self.debug_dir, exist_ok=True)
-        path = os.path.join(self.debug_dir, f"guard_free_{os.getpid()}_{self.func.__name__}.py")
+        suffix = f".{index}" if index else ""
+        path = os.path.join(self.debug_dir, f"guard_free_{os.getpid()}_{self.func.__name__}{suffix}.py")
+        check = "\n".join("#     " + line for line in signature.source.splitlines())
         header = (f"# The code torch_ext's guard-free dispatch runs for {self.func.__qualname__} "
                   f"({self.code.co_filename}:{self.code.co_firstlineno}),\n"
-                  "# Dynamo's transformed bytecode of the first compile, decompiled by depyf.\n")
+                  "# Dynamo's transformed bytecode of one compile, decompiled by depyf, for the calls this\n"
+                  f"# check accepts:\n{check}\n")
         try:
             with open(path, "w") as f:
                 f.write(header + decompile(code))
