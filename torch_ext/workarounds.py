@@ -42,11 +42,15 @@ def calls_invoke_subgraph(gm: fx.GraphModule) -> bool:
     )
 
 
-def inductor_patches(gm) -> dict:
-    """The Inductor config `gm` needs to compile to right results (bug 1); {} for most graphs."""
-    if not (compat.INDUCTOR_REUSES_REGION_BUFFERS and isinstance(gm, fx.GraphModule) and calls_invoke_subgraph(gm)):
+def _calls_regions(gm) -> bool:
+    return isinstance(gm, fx.GraphModule) and calls_invoke_subgraph(gm)
+
+
+def _region_patches() -> dict:
+    """The Inductor config a graph calling regions needs (bug 1), minus what is in force already:
+    compile_fx applies its patches and calls itself again."""
+    if not compat.INDUCTOR_REUSES_REGION_BUFFERS:
         return {}
-    # Only what is not in force already: compile_fx applies its patches and calls itself again.
     patches = {key: value for key, value in NO_REGION_BUFFER_REUSE.items()
                if getattr(torch._inductor.config, key) != value}
     if patches:
@@ -54,6 +58,11 @@ def inductor_patches(gm) -> dict:
                   "allow_buffer_reuse=False, inplace_buffers=False (torch %s reuses buffers of region calls "
                   "and computes wrong gradients otherwise)", torch.__version__)
     return patches
+
+
+def inductor_patches(gm) -> dict:
+    """The Inductor config `gm` needs to compile to right results (bug 1); {} for most graphs."""
+    return _region_patches() if _calls_regions(gm) else {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,12 +77,12 @@ def _compile_fx_avoiding_bugs(compile_fx):
     @functools.wraps(compile_fx)
     def wrapper(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
-        gm = bound.arguments.get("model_")
-        patches = inductor_patches(gm)
+        if not _calls_regions(bound.arguments.get("model_")):
+            return compile_fx(*args, **kwargs)  # most graphs: as torch compiles them
+        patches = _region_patches()
         if patches:
             bound.arguments["config_patches"] = {**(bound.arguments.get("config_patches") or {}), **patches}
-        if compat.BACKWARD_CACHE_IGNORES_TANGENT_ALIASING and isinstance(gm, fx.GraphModule) \
-                and calls_invoke_subgraph(gm):
+        if compat.BACKWARD_CACHE_IGNORES_TANGENT_ALIASING:
             # AOTAutograd's cache keys on the Dynamo graph: it cannot tell artifacts traced with
             # bug 2 from ours. The per-graph Inductor cache still applies.
             with torch._functorch.config.patch(enable_autograd_cache=False):
@@ -126,7 +135,7 @@ def _patch_points():
     compile_fx_module = importlib.import_module("torch._inductor.compile_fx")
 
     points = []
-    if compat.INDUCTOR_REUSES_REGION_BUFFERS:
+    if compat.INDUCTOR_REUSES_REGION_BUFFERS or compat.BACKWARD_CACHE_IGNORES_TANGENT_ALIASING:
         points.append((compile_fx_module, "compile_fx", _compile_fx_avoiding_bugs))
     if compat.BACKWARD_CACHE_IGNORES_TANGENT_ALIASING:
         points.append((invoke_subgraph_module.InvokeSubgraphAutogradOp, "backward", _distinct_tangents))
