@@ -4,7 +4,7 @@ PY ?= python3
 VERSIONS := 2.14.1 2.13.0 2.9.1
 NEWEST := 2.14.1
 PYTEST_ARGS ?=
-DEPS := expecttest pytest depyf tqdm numpy setuptools wheel
+DEPS := expecttest pytest depyf tqdm numpy setuptools wheel transformers==5.17.0
 
 venv = .venv-torch$(1)
 VENV := $(call venv,$(NEWEST))
