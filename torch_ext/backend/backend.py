@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from torch_ext import compat
 from torch_ext.install import install, is_installed
-from torch_ext.backend import dump
+from torch_ext.backend import dispatch, dump
 from torch_ext.backend.builder import PieceGroup, VariantBuilder
 from torch_ext.backend.cache import ArtifactStore, UnsafeCacheDirError, ensure_private_dir, model_key
 from torch_ext.backend.compiler import InductorCompiler
@@ -71,7 +71,11 @@ class TorchExtBackend:
         group = PieceGroup(f"graph {index}", self.config, self.builder, store, batch_symbol(gm))
         split = split_graph(gm, self.matcher, self.config.hop_split)
         self._say_unmatched(gm, index)
-        graph_info = self.cudagraphs.prepare(gm, self.matcher, f"graph {index}") if self.cudagraphs else None
+        graph_info = None
+        if self.cudagraphs is not None:
+            graph_info = self.cudagraphs.prepare(gm, self.matcher, f"graph {index}")
+            # Module state assigned by the frame (not in the graph) would move what graphs read in place.
+            dispatch.expect_transformed_code(f"cudagraph_mode={self.config.cudagraph_mode!r}")
         self._install_runners(split, group, dumper)
         self._compile_general(group)
 

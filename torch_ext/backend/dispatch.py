@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from torch_ext import compat
-from torch_ext.backend.cudagraph import CudaGraphBufferMutationError, CudaGraphError
+from torch_ext.backend.cudagraph_errors import CudaGraphBufferMutationError, CudaGraphError
 from torch_ext.backend.signature import CallSignature
 
 log = logging.getLogger(__name__)

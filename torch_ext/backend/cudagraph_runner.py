@@ -1,0 +1,377 @@
+"""Capture and replay of one region (a compiled piece, or a whole split graph) per capture size.
+
+`CudaGraphRunner` owns a region's static buffers and graphs; its `__call__` is the hot path of a
+replay. The runners of one compiled graph form a `RunnerGroup` that captures a size in one forward
+call. The shared pool, capture itself and the warnings live in the manager (cudagraph.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import tqdm
+
+from torch_ext.backend.cudagraph_errors import CudaGraphAddressError
+from torch_ext.backend.cudagraph_stats import cudagraph_stats
+from torch_ext.backend.padding import (CONST, COPIED, PINNED, SCALAR, STATIC, TENSOR, Spec, locate_batch_size,
+                                       non_owning, size_at)
+
+if TYPE_CHECKING:
+    from torch_ext.backend.cudagraph import CudaGraphManager
+
+WARMUP, CAPTURE, REPLAY = "warmup", "capture", "replay"
+
+
+class RunnerGroup:
+    """The runners of one compiled graph. They capture a size in one forward call, in call order:
+    the leader (the first capturable runner) counts forward calls and decides when."""
+
+    def __init__(self, manager: CudaGraphManager, name: str):
+        self.manager = manager
+        self.name = name
+        self.runners: list[CudaGraphRunner] = []
+        self.leader: CudaGraphRunner | None = None
+        self.calls = 0  # forward calls, counted by the leader
+        self.steps: dict[Any, int] = {}  # capture size -> calls at it that reached the leader's slow path
+        self.capture_call: dict[Any, int] = {}  # capture size -> the call that captures it
+        self._bars: dict[Any, Any] = {}
+
+    def add(self, runner: CudaGraphRunner) -> None:
+        self.runners.append(runner)
+        # Exact-size-only runners lead only when alone: they skip padded calls, which others count on.
+        if runner.capturable and (self.leader is None or (self.leader.exact_only and not runner.exact_only)):
+            if self.leader is not None:
+                self.leader.is_leader = False
+            self.leader = runner
+            runner.is_leader = True
+
+    def phase(self, runner: CudaGraphRunner, size) -> str:
+        if runner is self.leader:
+            steps = self.steps[size] = self.steps.get(size, 0) + 1
+            if steps <= self.manager.num_warmup:
+                return WARMUP
+            if steps == self.manager.num_warmup + 1:
+                self.capture_call[size] = self.calls
+                return CAPTURE
+            return REPLAY
+        call = self.capture_call.get(size)
+        if call is None:
+            return WARMUP
+        return CAPTURE if call == self.calls else REPLAY
+
+    def captured(self, size) -> None:
+        total = sum(1 for r in self.runners if r.capturable)
+        if total < 2:
+            return
+        bar = self._bars.get(size)
+        if bar is None:
+            bar = self._bars[size] = tqdm.tqdm(
+                total=total, desc=f"torch_ext CUDA graphs {self.name} size={size}", unit="graph",
+                leave=False, disable=self.manager.bar_disabled)
+        bar.update(1)
+        if bar.n >= bar.total:
+            bar.close()
+
+
+@dataclasses.dataclass
+class _Entry:
+    """What one runner holds for one capture size."""
+
+    size: Any  # padded batch size (None for a graph without a dynamic dim)
+    static_args: list  # what the wrapped callable gets: static buffers, in-place tensors, ints
+    buffers: dict[int, torch.Tensor]  # own static buffers by input position
+    graph: Any = None
+    outputs: list | None = None  # static outputs (non-owning where nothing outside needs them)
+    reused: dict[int, tuple[int, tuple]] = dataclasses.field(default_factory=dict)  # pos -> (ptr, stride)
+    addresses: dict[int, int] = dataclasses.field(default_factory=dict)  # in-place inputs at capture
+    captured_at: int | None = None  # the batch size of the capturing call
+
+
+@dataclasses.dataclass
+class _Plan:
+    """A replay at one runtime batch size: everything precomputed so the call does little."""
+
+    entry: _Entry
+    graph: Any
+    copies: list  # (pos, destination view of n rows)
+    copy_back: list  # (pos, source view of n rows)
+    reused: list  # [pos, ptr, stride, last tensor seen there]: read in place from an earlier graph's output
+    pinned: list  # (pos, ptr): verified on every replay
+    checked: list  # (pos, ptr or const): verified when cudagraph_check_addresses is on
+    result: Any
+    replay: Callable | None = None  # the graph's C++ replay, bound (skips CUDAGraph.replay's Python frame)
+
+
+_NO_GRAPH = _Plan(None, None, [], [], [], [], [], None)  # type: ignore[arg-type]
+
+
+class CudaGraphRunner:
+    """One call site of a region (a compiled piece, or the whole split graph in "full" mode)."""
+
+    def __init__(self, group: RunnerGroup, runnable: Callable, name: str, inputs: list[Spec], outputs: list[Spec],
+                 symbol, single_output: bool, keep: set[int], exact_only: bool, reason: str | None):
+        self.group = group
+        self.manager = group.manager
+        self.runnable = runnable
+        self.name = name
+        self.inputs = inputs
+        self.outputs = outputs
+        self.symbol = symbol
+        self.single_output = single_output
+        self.keep = keep  # outputs that leave the compiled graph: kept owned
+        self.exact_only = exact_only  # writes into a tensor without the batch dim: never pad
+        self.reason = reason  # why this region is never captured (None: it is)
+        self.capturable = reason is None
+        self.locator = None
+        if self.capturable and symbol is not None:
+            self.locator = locate_batch_size(inputs, symbol)
+            if self.locator is None:
+                self.capturable, self.reason = False, "no input carries the batch size"
+        self._plans: dict[Any, _Plan] = {}
+        self._entries: dict[Any, _Entry] = {}
+        self._device: torch.device | None = None
+        self._may_need_grad = any(s.kind == TENSOR for s in inputs)
+        self.is_leader = False
+        self.made_by_splitting_op: dict[int, str] = {}  # input position -> the splitting op that returned it
+        group.add(self)
+
+    def __repr__(self) -> str:
+        return f"CudaGraphRunner({self.name})"
+
+    def _size(self, args):
+        if self.locator is None:
+            return None
+        i, d = self.locator
+        return args[i] if d is None else args[i].shape[d]
+
+    def __call__(self, *args):
+        # The hot path of piecewise graphs (once per piece per step): keep it to a few lookups.
+        if self.is_leader:
+            self.group.calls += 1
+        locator = self.locator
+        if locator is None:
+            plan = self._plans.get(None)
+        else:
+            i, d = locator
+            plan = self._plans.get(args[i] if d is None else args[i].shape[d])
+        if plan is None or plan.replay is None or (self._may_need_grad and torch.is_grad_enabled()):
+            return self._slow(args, plan)
+        return self._replay(plan, args)
+
+    def _replay(self, plan: _Plan, args):
+        for reused in plan.reused:
+            a = args[reused[0]]
+            if a is not reused[3]:  # the previous piece hands over the same result tensors each step
+                if a.data_ptr() != reused[1] or a.stride() != reused[2]:
+                    # Not the earlier graph's output this time: a copy into its memory could clobber it.
+                    self.manager.note_once(("moved", self.name), "torch_ext: %s ran without its CUDA graph: "
+                                           "input %d no longer lives in the output of the graph before it",
+                                           self.name, reused[0])
+                    return self._uncaptured(args)
+                reused[3] = a
+        for i, ptr in plan.pinned:
+            if args[i].data_ptr() != ptr:
+                raise self._moved_error(plan.entry, i, args[i], ptr)
+        if plan.checked:
+            self._check(plan, args)
+        for i, dst in plan.copies:
+            dst.copy_(args[i])
+        plan.replay()
+        for i, src in plan.copy_back:
+            args[i].copy_(src)
+        cudagraph_stats.replays += 1
+        return plan.result
+
+    def _uncaptured(self, args):
+        cudagraph_stats.uncaptured_runs += 1
+        return self.runnable(*args)
+
+    def _slow(self, args, plan: _Plan | None):
+        if not self.capturable:
+            if self.reason is not None:
+                self.manager.note_once(("never", self.name), "torch_ext: %s runs without CUDA graphs: %s",
+                                       self.name, self.reason)
+            return self._uncaptured(args)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            self.manager.note_once(("grad",), "torch_ext: CUDA graphs are skipped for calls that record autograd "
+                                   "(run under torch.no_grad() or torch.inference_mode() to use them)")
+            return self._uncaptured(args)
+        if plan is not None:
+            return self._uncaptured(args) if plan.replay is None else self._replay(plan, args)
+        if self._device is None and not self._check_device(args):
+            return self._uncaptured(args)
+        n = self._size(args)
+        n = int(n) if n is not None else None
+        size = self.manager.capture_size(n) if self.symbol is not None else None
+        if self.symbol is not None and (size is None or (self.exact_only and size != n)):
+            self._plans[n] = _NO_GRAPH
+            return self._uncaptured(args)
+        entry = self._entries.get(size)
+        if entry is None:
+            entry = self._entries[size] = self._new_entry(size, args)
+        if entry.graph is not None:
+            plan = self._plans[n] = self._plan(entry, n)
+            return self._replay(plan, args)
+        phase = self.group.phase(self, size)
+        if phase == CAPTURE:
+            return self._capture(entry, n, args)
+        if phase == REPLAY:  # missed its group's capture call: capturing now could reuse live memory
+            self.manager.note_once(("missed", self.name, size), "torch_ext: %s runs without a CUDA graph at size "
+                                   "%s (it was not called in its graph's capturing forward)", self.name, size)
+        cudagraph_stats.uncaptured_runs += 1
+        return self._run_padded(entry, n, args)
+
+    def _check_device(self, args) -> bool:
+        devices = {a.device for a in args if isinstance(a, torch.Tensor)}
+        if len(devices) != 1 or not self.manager.can_capture_on(next(iter(devices))):
+            self.capturable, self.reason = False, f"its inputs are on {sorted(map(str, devices))}, not one CUDA device"
+            self.manager.warn_cpu_once()
+            return False
+        self._device = next(iter(devices))
+        return True
+
+    # -- static buffers, plans ------------------------------------------------------------------
+
+    def _new_entry(self, size, args) -> _Entry:
+        static_args = list(args)
+        buffers: dict[int, torch.Tensor] = {}
+        for i, spec in enumerate(self.inputs):
+            if spec.kind == SCALAR:
+                static_args[i] = size_at(spec.expr, self.symbol, size) if self.symbol is not None else args[i]
+            elif spec.kind == TENSOR and spec.role == COPIED:
+                buf = torch.empty_strided(spec.shape_at(self.symbol, size), spec.stride_at(self.symbol, size),
+                                          dtype=spec.dtype, device=args[i].device)
+                cudagraph_stats.static_input_bytes += buf.untyped_storage().nbytes()
+                buffers[i] = static_args[i] = buf
+        return _Entry(size, static_args, buffers)
+
+    def _rows(self, t: torch.Tensor, spec: Spec, n) -> torch.Tensor:
+        for d in spec.batch_dims:
+            t = t.narrow(d, 0, n)
+        return t
+
+    def _fill(self, entry: _Entry, n, args) -> list:
+        """Copy the copied inputs into the entry's buffers; returns (pos, view) of the written ones."""
+        back = []
+        for i, buf in entry.buffers.items():
+            view = self._rows(buf, self.inputs[i], n)
+            view.copy_(args[i])
+            if self.inputs[i].written:
+                back.append((i, view))
+        return back
+
+    def _result(self, outs: list, n):
+        values = []
+        for spec, out in zip(self.outputs, outs):
+            if spec.kind == TENSOR and isinstance(out, torch.Tensor):
+                values.append(self._rows(out, spec, n))
+            elif spec.kind == SCALAR and self.symbol is not None:
+                values.append(size_at(spec.expr, self.symbol, n))
+            else:
+                values.append(out)
+        return values[0] if self.single_output else tuple(values)
+
+    def _outputs(self, out) -> list:
+        return [out] if self.single_output else list(out)
+
+    def _run_padded(self, entry: _Entry, n, args):
+        back = self._fill(entry, n, args)
+        out = self._outputs(self.runnable(*entry.static_args))
+        for i, view in back:
+            args[i].copy_(view)
+        return self._result(out, n)
+
+    def _plan(self, entry: _Entry, n) -> _Plan:
+        copies, copy_back = [], []
+        for i, buf in entry.buffers.items():
+            view = self._rows(buf, self.inputs[i], n)
+            copies.append((i, view))
+            if self.inputs[i].written:
+                copy_back.append((i, view))
+        reused = [[i, ptr, stride, None] for i, (ptr, stride) in entry.reused.items()]
+        pinned = [(i, entry.addresses[i]) for i, s in enumerate(self.inputs) if s.kind == TENSOR and s.role == PINNED]
+        checked = []
+        if self.manager.check_addresses:
+            checked = [(i, entry.addresses[i]) for i, s in enumerate(self.inputs) if s.kind == TENSOR and s.role == STATIC]
+            checked += [(i, s.value) for i, s in enumerate(self.inputs) if s.kind == CONST]
+        return _Plan(entry, entry.graph, copies, copy_back, reused, pinned, checked, self._result(entry.outputs, n),
+                     _replayer(entry.graph))
+
+    # -- capture ----------------------------------------------------------------------------------
+
+    def _capture(self, entry: _Entry, n, args):
+        for i, spec in enumerate(self.inputs):
+            if spec.kind != TENSOR:
+                continue
+            if spec.role == COPIED and self.symbol is not None:
+                padded = self.manager.output_view(args[i], entry.size, spec.shape_at(self.symbol, entry.size))
+                if padded is not None:  # read in place from an earlier graph's output
+                    entry.static_args[i] = non_owning(padded)  # that graph's memory, not ours to keep
+                    entry.reused[i] = (args[i].data_ptr(), args[i].stride())
+                    buf = entry.buffers.pop(i)
+                    cudagraph_stats.static_input_bytes -= buf.untyped_storage().nbytes()
+            elif spec.role != COPIED:
+                entry.static_args[i] = args[i]
+                entry.addresses[i] = args[i].data_ptr()
+        copied = [(i, self.made_by_splitting_op[i]) for i in entry.buffers if i in self.made_by_splitting_op]
+        if copied:
+            self.manager.note_once(
+                ("copied", self.name), "torch_ext: %s copies %s into static buffers on every replay (%d bytes at "
+                "batch size %s): the splitting op allocates its result. A splitting op that writes into a buffer "
+                "the model allocates before the call (torch.empty_like, listed in mutates_args) leaves it in the "
+                "graph before, where the graph after reads it without a copy (README: CUDA graphs).", self.name,
+                ", ".join(f"input {i} '{self.inputs[i].name}' (from {op})" for i, op in copied),
+                sum(entry.buffers[i].untyped_storage().nbytes() for i, _ in copied), entry.size)
+        back = self._fill(entry, n, args)
+        try:
+            graph, out = self.manager.capture(self.runnable, entry.static_args, self._device, self.name, entry.size)
+        except Exception as e:  # its static inputs are half set up: never capture this region again
+            self.capturable, self.reason = False, f"capture failed ({type(e).__name__})"
+            raise
+        outs = self._outputs(out)
+        entry.graph, entry.captured_at = graph, n
+        self.manager.note_outputs(outs, entry.size)
+        entry.outputs = [o if k in self.keep or not isinstance(o, torch.Tensor) else non_owning(o)
+                         for k, o in enumerate(outs)]
+        graph.replay()  # capture records without running: this call's results come from a replay
+        for i, view in back:
+            args[i].copy_(view)
+        self._plans = {k: p for k, p in self._plans.items() if p.entry is not entry}
+        self.group.captured(entry.size)
+        # Owned outputs for this call: the memory stays taken until the forward is done with it.
+        return self._result(outs, n)
+
+    # -- errors -----------------------------------------------------------------------------------
+
+    def _moved_error(self, entry: _Entry, i: int, arg: torch.Tensor, ptr: int) -> CudaGraphAddressError:
+        spec = self.inputs[i]
+        why = ("a parameter or buffer (or a tensor marked with torch._dynamo.mark_static_address)"
+               if spec.role == STATIC else "a tensor without the batch dim that the graph writes in place")
+        return CudaGraphAddressError(
+            f"torch_ext CUDA graph of {self.name} (capture size {entry.size}, captured at batch size "
+            f"{entry.captured_at}): input {i} '{spec.name}' was at 0x{ptr:x} when the graph was captured and is "
+            f"now at 0x{arg.data_ptr():x}. It is {why}, so the graph reads it in place, from the address it "
+            "had at capture. Keep such tensors where they are between calls: update them in place (copy_, "
+            "index_copy_) instead of assigning new tensors, or run with cudagraph_mode='none'.")
+
+    def _check(self, plan: _Plan, args) -> None:
+        for i, expected in plan.checked:
+            spec = self.inputs[i]
+            if spec.kind == CONST:
+                if args[i] != expected:
+                    raise CudaGraphAddressError(
+                        f"torch_ext CUDA graph of {self.name}: argument {i} '{spec.name}' was {expected!r} at "
+                        f"capture and is {args[i]!r} now; the graph holds the captured value, so "
+                        "this call cannot replay it.")
+            elif args[i].data_ptr() != expected:
+                raise self._moved_error(plan.entry, i, args[i], expected)
+
+
+def _replayer(graph) -> Callable:
+    """graph.replay, bound to the C++ method when graph is a CUDAGraph (its Python override only
+    calls super())."""
+    base = getattr(torch._C, "_CUDAGraph", None)
+    if base is not None and isinstance(graph, base):
+        return base.replay.__get__(graph)
+    return graph.replay
