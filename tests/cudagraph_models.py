@@ -41,11 +41,21 @@ def _decode_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     out.copy_(decode_attention(q, k, v, k_cache, v_cache, pos))
 
 
+def _decode_attention_checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, pos: int, out: torch.Tensor) -> None:
+    """_decode_attention_into that reads a value on the host: it cannot be captured in a graph."""
+    _decode_attention_into(q, k, v, k_cache, v_cache, pos, out)
+    if not bool(torch.isfinite(out).all()):
+        raise FloatingPointError("attention produced a non-finite value")
+
+
 ATTENTION_INTO = {  # how Layer's attention writes into a buffer: by op declaration
     "into": splitting_op("torch_ext_cg::decode_attention_into",
                          mutates_args=("k_cache", "v_cache", "out"))(_decode_attention_into),
     "into_inference": splitting_op("torch_ext_cg::decode_attention_into_inference",
                                    mutates_args=("k_cache", "v_cache", "out"), autograd=False)(_decode_attention_into),
+    "checked": splitting_op("torch_ext_cg::decode_attention_checked",
+                            mutates_args=("k_cache", "v_cache", "out"))(_decode_attention_checked),
 }
 
 
@@ -92,7 +102,7 @@ class TinyDecoder(nn.Module):
 
 
 SPLITTING_OPS = ("torch_ext_cg::decode_attention", "torch_ext_cg::decode_attention_into",
-                 "torch_ext_cg::decode_attention_into_inference")
+                 "torch_ext_cg::decode_attention_into_inference", "torch_ext_cg::decode_attention_checked")
 
 
 class SimulatedGraph:

@@ -30,10 +30,11 @@ def fresh():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("mode", ["piecewise", "full"])
-def test_replays_equal_uncaptured_runs_for_200_random_batch_sizes(mode):
+@pytest.mark.parametrize("mode,options", [("piecewise", {}), ("full", {}),
+                                          ("full_and_piecewise", {"full_cudagraph_max_size": 16})])
+def test_replays_equal_uncaptured_runs_for_200_random_batch_sizes(mode, options):
     model = cm.TinyDecoder(layers=3).cuda()
-    graphs = torch.compile(model, backend=make_backend(config(mode)))
+    graphs = torch.compile(model, backend=make_backend(config(mode, **options)))
     plain = torch.compile(model, backend=make_backend(config("none")))
     gk, gv = model.caches("cuda")
     pk, pv = [t.clone() for t in gk], [t.clone() for t in gv]
@@ -49,10 +50,31 @@ def test_replays_equal_uncaptured_runs_for_200_random_batch_sizes(mode):
         assert actual.shape == (n, cm.D_MODEL)
         torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=f"call {i}, batch {n}")
         for a, e in zip(gk + gv, pk + pv):
-            # Full mode pads the splitting op too: rows past the batch may hold padding writes.
+            # Full graphs pad the splitting op too: rows past the batch may hold padding writes.
             torch.testing.assert_close(a if mode == "piecewise" else a[:n], e if mode == "piecewise" else e[:n])
     assert cudagraph_stats.replays > 100, cudagraph_stats
     assert len(cudagraph_stats.sizes) >= len(CAPTURE) - 1
+
+
+def test_a_splitting_op_that_syncs_leaves_the_full_graph_to_the_pieces():
+    """A real failed capture (the op reads a value on the host): warned once, then the piecewise
+    graphs serve every call, equal to eager; the device keeps working."""
+    model = cm.TinyDecoder(layers=2, attention="checked").cuda()
+    graphs = torch.compile(model, backend=make_backend(config("full_and_piecewise")))
+    gk, gv = model.caches("cuda")
+    ek, ev = [t.clone() for t in gk], [t.clone() for t in gv]
+    with pytest.warns(UserWarning, match=r"could not capture a CUDA graph of graph 0 \(full graph\)"):
+        for i, n in enumerate([5, 5, 5, 5, 3, 8, 8, 8, 8]):
+            x = torch.randn(n, cm.D_MODEL, device="cuda")
+            if i == 0:
+                torch._dynamo.mark_dynamic(x, 0)
+            with torch.no_grad():
+                actual = graphs(x, gk, gv, POS).clone()
+                expected = model(x, ek, ev, POS)
+            torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=f"call {i}, batch {n}")
+            for a, e in zip(gk + gv, ek + ev):
+                torch.testing.assert_close(a[:n], e[:n])
+    assert cudagraph_stats.replays > 0 and 8 in cudagraph_stats.sizes  # the pieces' graphs
 
 
 def test_guard_free_dispatch_with_cuda_graphs_serves_batch_one_from_the_symbolic_graph():

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-CUDAGRAPH_MODES = ("none", "piecewise", "full")
+CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
 HOP_SPLIT_MODES = ("inline", "in_body")
 
 _OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
@@ -137,9 +137,14 @@ class CompileConfig:
     unfuse_output_addmm: bool = True
     # tqdm progress bars while compiling several pieces (None: only on a terminal).
     progress_bar: bool | None = None
-    # Used by the CUDA-graph runner (a later issue); declared and validated now.
+    # CUDA graphs (README: CUDA graphs): "none", "piecewise" (a graph per compiled piece, splitting
+    # ops eager between them), "full" (one graph per forward, splitting ops captured too), or
+    # "full_and_piecewise" (full graphs, and piecewise ones where a full graph cannot serve a call).
     cudagraph_mode: str = "none"
     cudagraph_capture_sizes: tuple[int, ...] = ()
+    # "full_and_piecewise": capture sizes up to this one get full graphs, larger ones piecewise
+    # graphs (vLLM's split: decode-sized batches full, prefill-sized piecewise). None: all full.
+    full_cudagraph_max_size: int | None = None
     cudagraph_num_warmup: int = 1
     cudagraph_check_addresses: bool = False
     guard_free_dispatch: bool = False
@@ -218,6 +223,18 @@ class CompileConfig:
                   'Write cudagraph_mode="none" on CPU')
         set_("cudagraph_capture_sizes",
              tuple(sorted(set(_as_int_tuple("cudagraph_capture_sizes", self.cudagraph_capture_sizes)))))
+        full_max = self.full_cudagraph_max_size
+        if full_max is not None:
+            if isinstance(full_max, bool) or not isinstance(full_max, int) or full_max < 1:
+                _fail("full_cudagraph_max_size", f"expected a positive int or None, got {full_max!r}",
+                      "Write e.g. full_cudagraph_max_size=32")
+            if self.cudagraph_mode != "full_and_piecewise":
+                _fail("full_cudagraph_max_size", f"it applies only to cudagraph_mode='full_and_piecewise', not "
+                      f"{self.cudagraph_mode!r}", "Drop it, or set cudagraph_mode='full_and_piecewise'")
+            if self.cudagraph_capture_sizes and full_max < self.cudagraph_capture_sizes[0]:
+                _fail("full_cudagraph_max_size", f"{full_max} is below every capture size "
+                      f"{self.cudagraph_capture_sizes}: no full graph would ever be captured",
+                      "Use cudagraph_mode='piecewise', or raise it to a capture size")
         if isinstance(self.cudagraph_num_warmup, bool) or not isinstance(self.cudagraph_num_warmup, int) \
                 or self.cudagraph_num_warmup < 0:
             _fail("cudagraph_num_warmup", f"expected an int >= 0, got {self.cudagraph_num_warmup!r}",

@@ -4,6 +4,10 @@ cudagraph_mode="piecewise": every compiled piece of the split graph is wrapped i
 `CudaGraphRunner`; splitting ops run eagerly between the replays, at the real batch size.
 cudagraph_mode="full": the whole split graph, splitting ops included, is one runner; its
 splitting ops must be capturable and, when a batch is padded, must leave the padding rows harmless.
+cudagraph_mode="full_and_piecewise" (vLLM's FULL_AND_PIECEWISE): both; a call replays the full
+graph where one serves it (capture sizes up to full_cudagraph_max_size, a capturable graph) and
+falls back to the piecewise graphs otherwise: larger batches, a full graph whose shapes cannot
+be padded, or one whose capture failed (a splitting op that syncs with the host: warned once).
 
 A runner called at batch size n (the runtime value of the graph's dynamic dim):
   * n above the largest capture size, or a region that cannot be captured: runs the wrapped
@@ -41,6 +45,7 @@ and cudagraph_stats.py are imported by the dispatcher and by tests without the r
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import operator
@@ -124,10 +129,17 @@ class CudaGraphManager:
     def runners(self) -> list[CudaGraphRunner]:
         return [r for g in self.groups for r in g.runners]
 
-    def capture_size(self, n: int | None):
+    def capture_size(self, n: int | None, max_size: int | None = None):
+        """The capture size a call at batch n pads to (None: it runs without a graph)."""
         if n is None or n < 1:
             return None
-        return padded_size(n, self.sizes)
+        size = padded_size(n, self.sizes)
+        return None if size is None or (max_size is not None and size > max_size) else size
+
+    def warn_once(self, key, msg: str) -> None:
+        if key not in self._noted:
+            self._noted.add(key)
+            warnings.warn(msg, stacklevel=3)
 
     def note_once(self, key, msg: str, *args) -> None:
         if key not in self._noted:
@@ -160,22 +172,39 @@ class CudaGraphManager:
     # -- wrapping -------------------------------------------------------------------------------
 
     def wrap(self, split: SplitGraph, info: GraphInfo) -> Callable:
-        """Put runners in: around each top-level compiled piece ("piecewise"), or around the whole
-        split graph ("full", returned). HOP bodies split in_body mode run without graphs."""
-        group = RunnerGroup(self, info.name)
-        self.groups.append(group)
+        """Put runners in: around each top-level compiled piece ("piecewise"), around the whole split
+        graph ("full", returned), or both ("full_and_piecewise": the full graph's runner is returned
+        and falls back to the piecewise graphs). HOP bodies split in_body mode run without graphs."""
         if not self.graphs_available():
             self.warn_cpu_once()
         split_gm = split.split_gm
         if self.mode == "full":
-            nodes = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
-            inputs, reason = self._input_specs(nodes, [fake_value(n) for n in nodes], info, None)
-            outputs, out_reason = self._output_specs(info.outputs, info.symbol)
-            # Writes by splitting ops are theirs to make padding-safe (the full-mode contract).
-            exact = any(info.placeholders.get(n.name, (None,) * 4)[3] and not spec.batch_dims
-                        for n, spec in zip(nodes, inputs) if spec.kind == TENSOR)
-            return CudaGraphRunner(group, split_gm, f"{info.name} (full graph)", inputs, outputs, info.symbol,
-                                   False, set(range(len(outputs))), exact, reason or out_reason)
+            return self._full_runner(split_gm, info, None)
+        # The full graph captures plain pieces: it gets its own module before runners go in.
+        full_gm = copy.copy(split_gm) if self.mode == "full_and_piecewise" else None
+        self._wrap_pieces(split, info)
+        return split_gm if full_gm is None else self._full_runner(full_gm, info, split_gm)
+
+    def _full_runner(self, split_gm: fx.GraphModule, info: GraphInfo, fallback: Callable | None) -> CudaGraphRunner:
+        group = RunnerGroup(self, f"{info.name} (full graph)")
+        self.groups.append(group)
+        nodes = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
+        inputs, reason = self._input_specs(nodes, [fake_value(n) for n in nodes], info, None)
+        outputs, out_reason = self._output_specs(info.outputs, info.symbol)
+        # Writes by splitting ops are theirs to make padding-safe (the full-mode contract).
+        exact = any(info.placeholders.get(n.name, (None,) * 4)[3] and not spec.batch_dims
+                    for n, spec in zip(nodes, inputs) if spec.kind == TENSOR)
+        reason = reason or out_reason
+        if reason is not None and fallback is not None:
+            self.note_once(("full", info.name), "torch_ext: %s has no full CUDA graph (%s): its piecewise graphs "
+                           "serve every call", info.name, reason)
+        return CudaGraphRunner(group, split_gm, group.name, inputs, outputs, info.symbol, False,
+                               set(range(len(outputs))), exact, reason, self.config.full_cudagraph_max_size, fallback)
+
+    def _wrap_pieces(self, split: SplitGraph, info: GraphInfo) -> None:
+        group = RunnerGroup(self, info.name)
+        self.groups.append(group)
+        split_gm = split.split_gm
         if any(p.kind == "hop" for p in split.pieces):
             self.note_once(("in_body",), "torch_ext: pieces inside HOP bodies split in_body run without CUDA "
                            "graphs (a body is shared by its call sites); hop_split='inline' captures them")
@@ -201,7 +230,6 @@ class CudaGraphManager:
                                      piece.single_output, _escaping(split_gm, node), exact, reason or out_reason)
             runner.made_by_splitting_op = _made_by_splitting_op(split_gm, node)
             split_gm.__dict__[node.target] = runner
-        return split_gm
 
     def _note_slow_splitting_ops(self, partition: fx.GraphModule) -> None:
         for qualname in _ops_called(partition):

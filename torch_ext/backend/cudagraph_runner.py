@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import tqdm
 
-from torch_ext.backend.cudagraph_errors import CudaGraphAddressError
+from torch_ext.backend.cudagraph_errors import CudaGraphAddressError, CudaGraphCaptureError
 from torch_ext.backend.cudagraph_stats import cudagraph_stats
 from torch_ext.backend.padding import (CONST, COPIED, PINNED, SCALAR, STATIC, TENSOR, Spec, locate_batch_size,
                                        non_owning, size_at)
@@ -110,7 +110,8 @@ class CudaGraphRunner:
     """One call site of a region (a compiled piece, or the whole split graph in "full" mode)."""
 
     def __init__(self, group: RunnerGroup, runnable: Callable, name: str, inputs: list[Spec], outputs: list[Spec],
-                 symbol, single_output: bool, keep: set[int], exact_only: bool, reason: str | None):
+                 symbol, single_output: bool, keep: set[int], exact_only: bool, reason: str | None,
+                 max_size: int | None = None, fallback: Callable | None = None):
         self.group = group
         self.manager = group.manager
         self.runnable = runnable
@@ -123,6 +124,10 @@ class CudaGraphRunner:
         self.exact_only = exact_only  # writes into a tensor without the batch dim: never pad
         self.reason = reason  # why this region is never captured (None: it is)
         self.capturable = reason is None
+        self.max_size = max_size  # capture sizes above it are not this runner's ("full_and_piecewise")
+        # What runs a call this runner does not replay (None: `runnable` without a graph). In
+        # "full_and_piecewise" mode the full graph's runner falls back to the piecewise graphs.
+        self.fallback = fallback
         self.locator = None
         if self.capturable and symbol is not None:
             self.locator = locate_batch_size(inputs, symbol)
@@ -184,6 +189,8 @@ class CudaGraphRunner:
         return plan.result
 
     def _uncaptured(self, args):
+        if self.fallback is not None:
+            return self.fallback(*args)
         cudagraph_stats.uncaptured_runs += 1
         return self.runnable(*args)
 
@@ -203,7 +210,7 @@ class CudaGraphRunner:
             return self._uncaptured(args)
         n = self._size(args)
         n = int(n) if n is not None else None
-        size = self.manager.capture_size(n) if self.symbol is not None else None
+        size = self.manager.capture_size(n, self.max_size) if self.symbol is not None else None
         if self.symbol is not None and (size is None or (self.exact_only and size != n)):
             self._plans[n] = _NO_GRAPH
             return self._uncaptured(args)
@@ -328,7 +335,12 @@ class CudaGraphRunner:
             graph, out = self.manager.capture(self.runnable, entry.static_args, self._device, self.name, entry.size)
         except Exception as e:  # its static inputs are half set up: never capture this region again
             self.capturable, self.reason = False, f"capture failed ({type(e).__name__})"
-            raise
+            if self.fallback is None or not isinstance(e, CudaGraphCaptureError):
+                raise
+            # Capture only records kernels: nothing of this call ran on the device, so it runs again.
+            self.manager.warn_once(("capture", self.name), f"torch_ext: {e}\nThe piecewise CUDA graphs serve every "
+                                   "call from now on (cudagraph_mode='full_and_piecewise').")
+            return self.fallback(*args)
         outs = self._outputs(out)
         entry.graph, entry.captured_at = graph, n
         self.manager.note_outputs(outs, entry.size)
