@@ -10,6 +10,8 @@ wrapping the same Python function, timed in interleaved rounds (median of the ro
                        direct_register_custom_op; gradients through it are not checked)
   autograd=False       torch_ext's splitting_op(..., autograd=False)
   custom_op            torch_ext's splitting_op(...) (torch.library.custom_op)
+  custom_op direct     that op through torch_ext's direct caller (backend/direct_call.py), as the
+                       piecewise CUDA-graph runner calls it between replays
 Ops: "out", writes its result into a buffer it mutates (returns None); "ret", returns a new tensor.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from table import print_table  # noqa: E402
+from torch_ext.backend.direct_call import direct_caller  # noqa: E402
 from torch_ext.hops.splitting_op import splitting_op  # noqa: E402
 
 
@@ -50,6 +53,8 @@ def declare():
         ops[(peer, "out")] = splitting_op(f"{ns}::write_into", mutates_args=("out",), autograd=autograd)(write_into)
         ops[(peer, "ret")] = splitting_op(f"{ns}::returning", fake=lambda x: torch.empty_like(x),
                                           autograd=autograd)(returning)
+    for kind, name in (("out", "write_into"), ("ret", "returning")):
+        ops[("custom_op direct", kind)] = direct_caller(getattr(torch.ops.cost_custom, name).default)
     return ops, lib
 
 

@@ -208,13 +208,28 @@ def non_owning_storage(data_ptr: int, device: torch.device, nbytes: int):
     return torch._C._construct_storage_from_data_pointer(data_ptr, device, nbytes)
 
 
-def is_python_custom_op(qualname: str) -> bool:
-    """Whether the op "ns::name" was defined with torch.library.custom_op (its kernels run through
-    Python autograd and alias-checking layers). The registry of such ops is private, present from
-    2.9.1 to 2.13."""
+def python_custom_op_def(op: torch._ops.OpOverload):
+    """The CustomOpDef of an op defined with torch.library.custom_op (its kernels run through Python
+    autograd, version and alias-checking layers), or None. The registry is private. Its `_backend_fns`
+    (device type, None for all -> the user's kernel, wrapped to honour disabled kernels) is what
+    the op's backend kernel calls, on 2.9.1 through 2.14.1."""
     from torch._library import custom_ops
 
-    return qualname in getattr(custom_ops, "OPDEFS", {})
+    opdef = getattr(custom_ops, "OPDEFS", {}).get(op._schema.name)
+    if opdef is None or getattr(opdef, "_opoverload", None) is not op \
+            or not isinstance(getattr(opdef, "_backend_fns", None), dict):
+        return None
+    return opdef
+
+
+_mode_checks = (torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack,
+                torch._C._is_any_autocast_enabled, torch._C._are_functorch_transforms_active)
+
+
+def no_modes_or_autocast_active() -> bool:
+    """No torch-function or dispatch mode, autocast or functorch transform is active (0.3 us)."""
+    a, b, c, d = _mode_checks
+    return not (a() or b() or c() or d())
 
 
 # --- Python floats Dynamo left symbolic (backend/backend.py) -------------------------------------

@@ -58,12 +58,12 @@ import torch
 import torch.fx as fx
 import tqdm
 
-from torch_ext import compat
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.cudagraph_errors import (CudaGraphAddressError, CudaGraphBufferMutationError,
                                                 CudaGraphCaptureError, CudaGraphError, mutation_error)
 from torch_ext.backend.cudagraph_runner import CudaGraphRunner, RunnerGroup
 from torch_ext.backend.cudagraph_stats import CudaGraphStats, cudagraph_stats
+from torch_ext.backend.direct_call import call_directly
 from torch_ext.backend.graph_writes import fake_value, written_placeholders
 from torch_ext.backend.padding import COPIED, PINNED, STATIC, TENSOR, NotCapturable, padded_size, spec_of
 from torch_ext.backend.piecewise import CompiledPiece, batch_symbol
@@ -215,7 +215,10 @@ class CudaGraphManager:
             if not isinstance(piece, CompiledPiece):
                 sub = split_gm._modules.get(node.target)
                 if isinstance(sub, fx.GraphModule):
-                    self._note_slow_splitting_ops(sub)
+                    for op in call_directly(sub):
+                        self.note_once(("direct", op), "torch_ext: splitting op %s (torch.library.custom_op) is called "
+                                       "without its Python dispatch layers between graph replays when no autograd, "
+                                       "mode or autocast needs them (backend/direct_call.py)", op)
                     # A splitting op's partition runs eagerly between two replays, on the critical
                     # path: call its code without nn.Module.__call__ (no hooks on these partitions).
                     split_gm.__dict__[node.target] = sub.forward
@@ -230,16 +233,6 @@ class CudaGraphManager:
                                      piece.single_output, _escaping(split_gm, node), exact, reason or out_reason)
             runner.made_by_splitting_op = _made_by_splitting_op(split_gm, node)
             split_gm.__dict__[node.target] = runner
-
-    def _note_slow_splitting_ops(self, partition: fx.GraphModule) -> None:
-        for qualname in _ops_called(partition):
-            if compat.is_python_custom_op(qualname):
-                self.note_once(
-                    ("custom_op", qualname), "torch_ext: splitting op %s is a torch.library.custom_op: outside "
-                    "torch.inference_mode() its Python dispatch layers add 14-23 us of host time per call "
-                    "(bench/splitting_op_cost.py), paid between the graphs on every step. For serving, declare "
-                    "it with torch_ext.hops.splitting_op.splitting_op(..., autograd=False) or run under "
-                    "torch.inference_mode().", qualname)
 
     def _input_specs(self, arg_nodes: list, values: list, info: GraphInfo, written: dict | None):
         """Specs of a region's inputs; `written` = inputs the region writes (None: the whole graph)."""
