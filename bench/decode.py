@@ -1,7 +1,7 @@
 """Decode-step benchmark: torch_ext's CUDA graphs against torch.compile, on one GPU.
 
     python bench/decode.py [--batches 1,8,32,128] [--iters 200] [--layers 16] [--rounds 5]
-                           [--skip compile,reduce-overhead] [--attention triton|auto|efficient|flash|cudnn]
+                           [--skip compile,reduce-overhead] [--attention triton,custom_op,...]
 
 Model: a 16-layer Llama-style decoder (hidden 2048, 16 heads of 128, SwiGLU MLP 5632, RMSNorm,
 rotary), bf16, random weights, no embedding or LM head. One decode step at context 256: each of the
@@ -9,7 +9,9 @@ B sequences writes its new k/v at position 255 of a preallocated KV cache (one t
 key and value stacked) and attends over 256 positions. The attention is an opaque custom op (the
 splitting op) that writes the cache in place and its result into a buffer the model allocates
 just before the call; by default it is one Triton kernel (bench/decode_attention.py, checked
-against SDPA first), --attention picks an SDPA backend instead.
+against SDPA first), --attention picks an SDPA backend instead, or "custom_op": what users write,
+a plain torch.library.custom_op that writes the cache and returns SDPA's result. A comma-separated
+--attention measures each in turn, in one run.
 
 Columns (median ms over CUDA-event timed steps, and that over the HBM floor):
   eager            the model as written
@@ -20,6 +22,8 @@ Columns (median ms over CUDA-event timed steps, and that over the HBM floor):
                    (the input copied into its static buffer inside the timed step)
   ext-piecewise    torch_ext, cudagraph_mode="piecewise", guard-free dispatch
   ext-full         torch_ext, cudagraph_mode="full", guard-free dispatch
+  ext-full+pw      torch_ext, cudagraph_mode="full_and_piecewise" (full graphs at every capture size;
+                   piecewise graphs behind them for calls a full graph cannot serve)
   ext-pw+fusion    ext-piecewise with post_grad_passes=(FuseAddRMSNormPass(),)
 HBM floor: (weight bytes + KV bytes read) / device-to-device copy bandwidth measured here.
 Every variant's output is checked against eager (relative L2 error of the step's output).
@@ -61,7 +65,7 @@ SDPA = {
     "flash": lambda q, k, v: torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[0],
     "cudnn": lambda q, k, v: torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False)[0],
 }
-ATTENTION = ("triton",) + tuple(SDPA)
+ATTENTION = ("triton",) + tuple(SDPA) + ("custom_op",)
 attention_impl = "triton"
 
 
@@ -101,6 +105,20 @@ def define_attention():
         _LIB.impl("attention", attention, device)
     torch.library.register_fake("decode_bench::attention", lambda q, kv, kv_cache, pos, out: None, lib=_LIB)
 
+    @torch.library.custom_op("decode_bench::sdpa_attention", mutates_args=("kv_cache",))
+    def sdpa_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, pos: int) -> torch.Tensor:
+        """--attention custom_op: the op as users write it (returns its result, SDPA inside)."""
+        b = q.shape[0]
+        kv_cache[:b, :, :, pos] = kv
+        cache = kv_cache[:b, :, :, :pos + 1]
+        return F.scaled_dot_product_attention(q[:, :, None], cache[:, 0], cache[:, 1]).squeeze(2)
+
+    sdpa_attention.register_fake(lambda q, kv, kv_cache, pos: torch.empty_like(q))
+
+
+def splitting_op_name() -> str:
+    return "decode_bench::sdpa_attention" if attention_impl == "custom_op" else "decode_bench::attention"
+
 
 class RMSNorm(nn.Module):
     def __init__(self, d):
@@ -133,8 +151,11 @@ class Layer(nn.Module):
         q, k, v = self.qkv(self.input_norm(h)).view(b, 3, HEADS, HEAD_DIM).unbind(1)
         kv = torch.stack((rotate(k, cos, sin), v), dim=1)
         q = rotate(q, cos, sin)
-        a = torch.empty_like(q)
-        torch.ops.decode_bench.attention(q, kv, kv_cache, pos, a)
+        if attention_impl == "custom_op":
+            a = torch.ops.decode_bench.sdpa_attention(q, kv, kv_cache, pos)
+        else:
+            a = torch.empty_like(q)
+            torch.ops.decode_bench.attention(q, kv, kv_cache, pos, a)
         h = h + self.o(a.reshape(b, HIDDEN))
         gate, up = self.gate_up(self.post_norm(h)).chunk(2, dim=-1)
         return h + self.down(F.silu(gate) * up)
@@ -230,7 +251,7 @@ class HandGraphs:
         return self.static_out[b]
 
 
-INTERLEAVED = ("hand-graph", "ext-piecewise", "ext-full", "ext-pw+fusion")
+INTERLEAVED = ("hand-graph", "ext-piecewise", "ext-full", "ext-full+pw", "ext-pw+fusion")
 
 
 def set_attention(name: str) -> None:
@@ -245,7 +266,7 @@ def ext_config(mode: str, batches, cache_dir: str, fusion: bool = False):
     from torch_ext.backend.passes import FuseAddRMSNormPass
 
     return CompileConfig(
-        splitting_ops=("decode_bench::attention",), compile_sizes=tuple(batches), cache_dir=cache_dir,
+        splitting_ops=(splitting_op_name(),), compile_sizes=tuple(batches), cache_dir=cache_dir,
         cudagraph_mode=mode, cudagraph_capture_sizes=tuple(batches), guard_free_dispatch=True,
         post_grad_passes=(FuseAddRMSNormPass(),) if fusion else (), progress_bar=False)
 
@@ -271,16 +292,26 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds for the ratios to hand-graph")
     parser.add_argument("--skip", default="", help="comma-separated columns to leave out")
-    parser.add_argument("--attention", default=attention_impl, choices=ATTENTION,
-                        help="how the attention op attends: one Triton kernel, or an SDPA backend")
+    parser.add_argument("--attention", default=attention_impl,
+                        help=f"comma-separated, each one of {ATTENTION}: how the attention op attends")
     args = parser.parse_args()
-    set_attention(args.attention)
+    attentions = args.attention.split(",")
+    for name in attentions:
+        set_attention(name)  # checks the names before anything runs
     if not torch.cuda.is_available():
         print("bench/decode.py measures CUDA graphs and needs a CUDA GPU; torch.cuda.is_available() is False "
               "here. Run it on a machine with an NVIDIA GPU.")
         return 0
+    status = 0
+    for name in attentions:
+        set_attention(name)
+        print(f"\n===== attention: {name} =====", flush=True)
+        status = max(status, bench(args))
+    return status
 
-    if args.attention == "triton":
+
+def bench(args) -> int:
+    if attention_impl == "triton":
         from decode_attention import check
 
         err = check("cuda")
@@ -377,15 +408,15 @@ def main() -> int:
     run_column("hand-graph", lambda: hand.setdefault("g", HandGraphs(model, caches, batches)),
                setup=lambda g: g.setup())
     for name, mode, fusion in (("ext-piecewise", "piecewise", False), ("ext-full", "full", False),
-                               ("ext-pw+fusion", "piecewise", True)):
+                               ("ext-full+pw", "full_and_piecewise", False), ("ext-pw+fusion", "piecewise", True)):
         compiled, capture = ext(mode, fusion) if name not in skip else (None, None)
         run_column(name, lambda c=compiled: c, setup=capture)
 
     columns = [c for c in ("eager", "compile", "reduce-overhead", "hand-graph", "ext-piecewise", "ext-full",
-                           "ext-pw+fusion") if any((c, b) in results for b in batches)]
+                           "ext-full+pw", "ext-pw+fusion") if any((c, b) in results for b in batches)]
     print()
     print(f"Decode step: {args.layers} layers, hidden {HIDDEN}, {HEADS} heads, MLP {MLP}, context {CONTEXT}, "
-          f"bf16, on {torch.cuda.get_device_name()} (torch {torch.__version__})")
+          f"bf16, attention {attention_impl}, on {torch.cuda.get_device_name()} (torch {torch.__version__})")
     print(f"HBM floor = (weights {weight_bytes / 1e9:.3f} GB + KV read) / {bw / 1e12:.2f} TB/s "
           "(device-to-device copy, read+write). Cells: median ms (x floor).")
     header = ["batch", "floor ms"] + columns
