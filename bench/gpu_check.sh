@@ -5,6 +5,9 @@
 #   bash bench/gpu_check.sh bench   python bench/decode.py (extra args go to it)
 #   bash bench/gpu_check.sh profile python bench/decode_profile.py (where a step's time goes), then the benchmark
 #   bash bench/gpu_check.sh all     the GPU tests, the benchmark, then the CPU suite (shorter timeouts)
+#   bash bench/gpu_check.sh gpu     the GPU tests only
+#   bash bench/gpu_check.sh tp      python bench/tp_decode.py (2 GPUs; extra args go to it)
+#   bash bench/gpu_check.sh hf      python bench/hf_decode.py (extra args go to it)
 # Logs go to $OUT (or /tmp/torch_ext_gpu).
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -27,8 +30,11 @@ cpu_suite() {  # the CPU suite on this machine's torch (2.11): 14 workers
 }
 case "$what" in
   tests) gpu_tests 420; cpu_suite 170 ;;
+  gpu) gpu_tests "${GPU_TESTS_TIMEOUT:-240}" ;;
+  tp) timeout "${TP_TIMEOUT:-420}" python3 bench/tp_decode.py "$@" 2>&1 | tee "$OUT/tp_decode.log" ;;
+  hf) timeout "${HF_TIMEOUT:-420}" python3 bench/hf_decode.py "$@" 2>&1 | tee "$OUT/hf_decode.log" ;;
   profile) timeout 250 python3 bench/decode_profile.py 2>&1 | tee "$OUT/profile.log"
            timeout 300 python3 bench/decode.py "$@" 2>&1 | tee "$OUT/decode.log" ;;
-  bench) timeout 560 python3 bench/decode.py "$@" 2>&1 | tee "$OUT/decode.log" ;;
+  bench) timeout "${BENCH_TIMEOUT:-560}" python3 bench/decode.py "$@" 2>&1 | tee "$OUT/decode.log" ;;
   all) gpu_tests 90; timeout 330 python3 bench/decode.py "$@" 2>&1 | tee "$OUT/decode.log"; cpu_suite 170 ;;
 esac
