@@ -208,6 +208,24 @@ def non_owning_storage(data_ptr: int, device: torch.device, nbytes: int):
     return torch._C._construct_storage_from_data_pointer(data_ptr, device, nbytes)
 
 
+def rng_state_before_capture(device_index: int):
+    """A copy of the device's default CUDA generator state, for recover_from_failed_capture."""
+    return torch.cuda.default_generators[device_index].clone_state()
+
+
+def recover_from_failed_capture(device_index: int, pool, rng_state) -> None:
+    """Undo what a failed capture leaves behind (2.9.1 through 2.14.1, seen on 2.11): when
+    cudaStreamEndCapture fails (the capture was invalidated, e.g. by a host sync), CUDAGraph.capture_end
+    throws before it runs the generators' capture epilogue and before it ends the allocator's routing
+    into the pool: the default generator stays in capture mode, and every later random op on the
+    device raises "Offset increment outside graph capture encountered unexpectedly"."""
+    torch.cuda.default_generators[device_index].graphsafe_set_state(rng_state)
+    try:
+        torch._C._cuda_endAllocateToPool(device_index, pool)
+    except RuntimeError:  # capture_end got that far itself
+        pass
+
+
 def python_custom_op_def(op: torch._ops.OpOverload):
     """The CustomOpDef of an op defined with torch.library.custom_op (its kernels run through Python
     autograd, version and alias-checking layers), or None. The registry is private. Its `_backend_fns`

@@ -58,6 +58,7 @@ import torch
 import torch.fx as fx
 import tqdm
 
+from torch_ext import compat
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.cudagraph_errors import (CudaGraphAddressError, CudaGraphBufferMutationError,
                                                 CudaGraphCaptureError, CudaGraphError, mutation_error)
@@ -293,14 +294,22 @@ class CudaGraphManager:
         before = torch.cuda.memory_reserved(device)
         start = time.perf_counter()
         stream.wait_stream(torch.cuda.current_stream(device))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        rng_state = compat.rng_state_before_capture(index)
         try:
             with torch.cuda.device(device), torch.cuda.stream(stream):
                 graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     out = fn(*args)
-                finally:
-                    graph.capture_end()
+                except BaseException:
+                    try:  # end the capture, but report what broke it
+                        graph.capture_end()
+                    except Exception:
+                        pass
+                    raise
+                graph.capture_end()
         except Exception as e:
+            compat.recover_from_failed_capture(index, pool, rng_state)
             raise CudaGraphCaptureError(
                 f"torch_ext could not capture a CUDA graph of {label}: {type(e).__name__}: {e}\n"
                 "Captured code must stay on the GPU: no .item()/.tolist()/print of tensor values, no CPU "
