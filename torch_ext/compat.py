@@ -218,7 +218,10 @@ def recover_from_failed_capture(device_index: int, pool, rng_state) -> None:
     cudaStreamEndCapture fails (the capture was invalidated, e.g. by a host sync), CUDAGraph.capture_end
     throws before it runs the generators' capture epilogue and before it ends the allocator's routing
     into the pool: the default generator stays in capture mode, and every later random op on the
-    device raises "Offset increment outside graph capture encountered unexpectedly"."""
+    device raises "Offset increment outside graph capture encountered unexpectedly". The device
+    allocator's routing is ended here; the pinned-host allocator's (2.11+) has no Python binding,
+    so the pool id stays taken there: later captures must use a new pool ("beginAllocateToPool:
+    already recording to mempool_id" otherwise, seen on 2.11)."""
     torch.cuda.default_generators[device_index].graphsafe_set_state(rng_state)
     try:
         torch._C._cuda_endAllocateToPool(device_index, pool)

@@ -310,6 +310,8 @@ class CudaGraphManager:
                 graph.capture_end()
         except Exception as e:
             compat.recover_from_failed_capture(index, pool, rng_state)
+            with torch.cuda.device(device):  # the failed capture's pool id stays taken (see compat)
+                self._pools[device] = torch.cuda.graph_pool_handle()
             raise CudaGraphCaptureError(
                 f"torch_ext could not capture a CUDA graph of {label}: {type(e).__name__}: {e}\n"
                 "Captured code must stay on the GPU: no .item()/.tolist()/print of tensor values, no CPU "
