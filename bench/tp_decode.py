@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -89,7 +90,7 @@ class TPDecoder(nn.Module):
     forward = D.Decoder.forward
 
 
-def columns(model, batches, cache_dir):
+def columns(model, batches, cache_dir, skip):
     """{name: (make, config)}: the ext columns first, then the plain ones (see measure)."""
     import torch_ext.backend.dispatch as dispatch
 
@@ -98,10 +99,10 @@ def columns(model, batches, cache_dir):
     made = {name: (lambda cfg=cfg: dispatch.compile(model, cfg), cfg) for name, cfg in cfgs.items()}
     made["eager"] = (lambda: model, None)
     made["compile"] = (lambda: torch.compile(model, dynamic=True), None)
-    return made
+    return {name: v for name, v in made.items() if name not in skip}
 
 
-def measure(model, caches, batches, args, refs, cache_dir) -> dict:
+def measure(model, caches, batches, args, refs, cache_dir, label: str) -> dict:
     """{column: {"ms": {b: ms}, "err": max rel err vs refs}}, from interleaved rounds over the columns.
     Dynamo is reset before each column (as in bench/decode.py); guard-free torch_ext columns stay
     valid after a reset, so plain torch.compile comes last."""
@@ -110,7 +111,9 @@ def measure(model, caches, batches, args, refs, cache_dir) -> dict:
     torch.manual_seed(1)  # the same inputs on every rank and in the 1-GPU phase
     inputs = {b: [torch.randn(b, D.HIDDEN, dtype=D.DTYPE, device="cuda") for _ in range(4)] for b in batches}
     ready, out = {}, {}
-    for name, (make, cfg) in columns(model, batches, cache_dir).items():
+    for name, (make, cfg) in columns(model, batches, cache_dir, set(args.skip.split(","))).items():
+        start = time.perf_counter()
+        print(f"[{label}] {name}: compiling and capturing", flush=True)
         torch._dynamo.reset()
         fn = make()
         first = inputs[max(batches)][0]
@@ -124,6 +127,8 @@ def measure(model, caches, batches, args, refs, cache_dir) -> dict:
             err = max(D.rel_err(fn(refs[b][0].to("cuda"), caches, D.POS), refs[b][1].to("cuda")) for b in batches)
         ready[name] = fn
         out[name] = {"ms": {b: [] for b in batches}, "err": err}
+        print(f"[{label}] {name} ready in {time.perf_counter() - start:.1f} s, rel err {err:.1e}", flush=True)
+    print(f"[{label}] timing {args.rounds} interleaved rounds", flush=True)
     with torch.no_grad():
         for _ in range(args.rounds):
             for b in batches:
@@ -137,7 +142,7 @@ def measure(model, caches, batches, args, refs, cache_dir) -> dict:
 def rank_main(rank: int, args, batches, init_file: str, refs_path: str, result_path: str, cache_dir: str):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=300), device_id=torch.device("cuda", rank))
+                            timeout=datetime.timedelta(seconds=args.timeout), device_id=torch.device("cuda", rank))
     try:
         D.set_attention(args.attention)
         D.define_attention()
@@ -149,7 +154,7 @@ def rank_main(rank: int, args, batches, init_file: str, refs_path: str, result_p
         torch.cuda.empty_cache()
         refs = torch.load(refs_path)
         # One cache dir for both ranks: graphs with collectives are keyed by rank (backend/environment.py).
-        result = measure(model, caches, batches, args, refs, cache_dir)
+        result = measure(model, caches, batches, args, refs, cache_dir, f"2 GPUs, rank {rank}")
         if rank == 0:
             with open(result_path, "w") as f:
                 json.dump(result, f)
@@ -164,6 +169,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--attention", default="triton", choices=[a for a in D.ATTENTION if a != "custom_op"])
+    parser.add_argument("--skip", default="", help="comma-separated columns to leave out")
+    parser.add_argument("--timeout", type=int, default=120, help="seconds a collective may hang before it fails")
     args = parser.parse_args()
     if torch.cuda.device_count() < WORLD:
         print(f"bench/tp_decode.py needs {WORLD} CUDA GPUs; this machine has {torch.cuda.device_count()}.")
@@ -183,11 +190,11 @@ def main() -> int:
             refs[b] = (x.cpu(), model(x, caches, D.POS).float().cpu())
     refs_path = os.path.join(work, "refs.pt")
     torch.save(refs, refs_path)
-    one = measure(model, caches, batches, args, refs, os.path.join(work, "one"))
+    one = measure(model, caches, batches, args, refs, os.path.join(work, "one"), "1 GPU")
     del model, caches
     torch._dynamo.reset()
     torch.cuda.empty_cache()
-    print("[1 GPU] " + "; ".join(f"{c}: " + ", ".join(f"B={b} {one[c]['ms'][b]:.3f}" for b in batches)
+    print("[1 GPU] ms: " + "; ".join(f"{c}: " + ", ".join(f"B={b} {one[c]['ms'][b]:.3f}" for b in batches)
                                  for c in one), flush=True)
 
     # Phase 2: two ranks.
@@ -201,16 +208,17 @@ def main() -> int:
           f"{D.CONTEXT}, bf16, attention {args.attention}), {torch.cuda.get_device_name()} x{WORLD} "
           f"(torch {torch.__version__}, NCCL, NVLS off). Cells: 2-GPU ms (1-GPU ms, speed-up).")
     rows = []
+    shown = [c for c in COLUMNS if c in two]
     for b in batches:
         row = [str(b)]
-        for c in COLUMNS:
+        for c in shown:
             t2, t1 = two[c]["ms"][str(b)], one[c]["ms"][b]
             row.append(f"{t2:.3f} ({t1:.3f}, {t1 / t2:.2f}x)")
         rows.append(row)
-    print_table(["batch"] + [c for c in COLUMNS], rows)
+    print_table(["batch"] + shown, rows)
     print("Max rel err vs 1-GPU eager: " + ", ".join(f"{c}: 1 GPU {one[c]['err']:.1e} / 2 GPUs {two[c]['err']:.1e}"
-                                                    for c in COLUMNS))
-    bad = [c for c in COLUMNS if not (one[c]["err"] < 3e-2 and two[c]["err"] < 3e-2)]
+                                                    for c in shown))
+    bad = [c for c in shown if not (one[c]["err"] < 3e-2 and two[c]["err"] < 3e-2)]
     if bad:
         print(f"OUTPUT MISMATCH vs eager (rel err >= 3e-2): {bad}")
         return 1
