@@ -479,7 +479,7 @@ def aot_guard_reason(compiled, args: tuple, kwargs: dict) -> str | None:
     if compiled._artifacts.guard_manager.check(f_locals):
         return None
     info = compiled._artifacts.guard_manager.check_verbose(f_locals)
-    return "; ".join(getattr(info, "verbose_code_parts", None) or [str(info)])
+    return "; ".join(" ".join(part.split()) for part in getattr(info, "verbose_code_parts", None) or [str(info)])
 
 
 def aot_traced_files(traced_code) -> list[str]:

@@ -356,8 +356,8 @@ class WarmStartModule:
             if reason is None:
                 return program(args, kwargs)
             counters.warm_start_fallbacks += 1
-            self.warm.say(f"mismatch {reason}", "a call the saved program was not traced for (%s) goes "
-                          "through torch.compile", reason)
+            self.warm.say("mismatch", "a call the saved program was not traced for (%s) goes through "
+                          "torch.compile (said once)", reason)
         return self.compiled(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # reach the module's attributes, as OptimizedModule does
