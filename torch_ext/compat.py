@@ -484,3 +484,40 @@ def aot_guard_reason(compiled, args: tuple, kwargs: dict) -> str | None:
 
 def aot_traced_files(traced_code) -> list[str]:
     return [code.co_filename for code in traced_code]
+
+
+def cpu_vec_isa_names() -> list[str] | None:
+    """The vector ISAs Inductor found usable for C++ kernels in this process (it compiles and loads a
+    probe per candidate, in subprocesses: about a second per process on a small CPU), or None if it
+    has not looked yet. `torch._inductor.cpu_vec_isa.valid_vec_isa_list` (functools.cache), 2.9-2.14."""
+    from torch._inductor import cpu_vec_isa
+
+    if cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0:
+        return None
+    return [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+
+
+def prime_cpu_vec_isa(names: list[str]) -> bool:
+    """Let Inductor take `names` (what an earlier process on the same CPU ISA and torch found, saved
+    with a warm-start entry) as the probe results instead of probing again. Only candidates the CPU
+    reports are considered, as in the probe. No-op (False) once this process has its own list."""
+    from torch._inductor import cpu_vec_isa
+
+    if cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
+        return False
+    original = cpu_vec_isa.VecISA.check_build
+    cpu_vec_isa.VecISA.check_build = lambda self, code: str(self) in names
+    try:
+        cpu_vec_isa.valid_vec_isa_list()
+    finally:
+        cpu_vec_isa.VecISA.check_build = original
+    return True
+
+
+def lazy_graph_modules():
+    """GraphModules made in this context generate their Python code at their first call, not when
+    built (what Dynamo does with its graphs): the split of a loaded graph builds one per piece,
+    and the pieces deduplication replaces never run. torch.fx._lazy_graph_module, 2.9-2.14."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    return _use_lazy_graph_module(True)

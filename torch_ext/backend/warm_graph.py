@@ -126,7 +126,7 @@ class SavedGraph(compat.SerializableCallable):
         example_inputs = placeholder_values(gm)
         mode = _fake_mode(example_inputs)
         context = torch._guards.tracing(torch._guards.TracingContext(mode)) if mode else contextlib.nullcontext()
-        with context:
+        with context, compat.lazy_graph_modules():
             compiled = backend(gm, example_inputs, store_key=state["store_key"])
         return cls(compiled, state["graph"], state["store_key"], state["sources"], gm)
 

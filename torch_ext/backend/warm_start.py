@@ -183,6 +183,8 @@ class WarmStart:
         if changed:
             self.say("changed", "%s changed since the program was saved; tracing it again", changed[0])
             return None
+        if entry.get("cpu_vec_isa") is not None:  # the pieces' C++ kernels: skip Inductor's ISA probe
+            compat.prime_cpu_vec_isa(entry["cpu_vec_isa"])
         token = warm_graph.loading_backend.set(self.backend)
         try:
             aot = compat.aot_deserialize(entry["aot"], self.func.__globals__, entry["marks"])
@@ -216,7 +218,7 @@ class WarmStart:
                                                        + args), **kwargs).arguments
         sources = {path: _file_digest(path) for path in set(compat.aot_traced_files(traced)) if os.path.exists(path)}
         try:
-            entry = {"format": FORMAT, "factors": factors, "sources": sources,
+            entry = {"format": FORMAT, "factors": factors, "sources": sources, "cpu_vec_isa": compat.cpu_vec_isa_names(),
                      "marks": warm_graph.tensor_marks(arguments), "aot": compat.aot_serialize(aot)}
         except Exception as e:  # the program runs here; the next process traces again
             self.say("unsaved", "the traced program cannot be saved (%s: %s); the next process traces it again",
