@@ -22,7 +22,7 @@ import torch_ext
 from torch_ext import compat
 from torch_ext.backend import CompileConfig, ConfigError, counters, make_backend
 from torch_ext.backend import cache as cache_mod
-from torch_ext.backend import environment, warm_start
+from torch_ext.backend import environment, warm_key, warm_start
 
 WORKER = os.path.join(os.path.dirname(__file__), "warm_worker.py")
 aot_only = pytest.mark.skipif(not compat.HAS_AOT_COMPILE, reason="this torch has no AOT compile: no warm start")
@@ -275,7 +275,7 @@ def test_entry_key_changes_with_what_changes_the_trace(tmp_path, monkeypatch, ch
         elif change == "dim marking":
             torch._dynamo.mark_dynamic(x, 0)
         elif change == "torch_ext source":
-            monkeypatch.setattr(warm_start, "_package_digest", lambda: "edited")
+            monkeypatch.setattr(warm_key, "package_digest", lambda: "edited")
         if change == "grad mode":
             with torch.enable_grad():
                 assert key() != before
@@ -319,3 +319,43 @@ def test_warm_start_off_or_unavailable(tmp_path, caplog):
     else:  # torch 2.9.1: the normal path, and a line saying so
         assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
         assert "has no AOT compile" in said
+
+
+@aot_only
+def test_an_entry_that_does_not_load_is_traced_once_more_then_refused(tmp_path, fx_pieces, monkeypatch):
+    model = bm.Decoder(layers=2)
+    cfg = config(tmp_path)
+    calls(new_process(model, cfg), model)
+
+    def cannot_load(*args, **kwargs):
+        raise RuntimeError("torch cannot load it")
+
+    monkeypatch.setattr(compat, "aot_deserialize", cannot_load)
+    calls(new_process(model, cfg), model)  # set aside, traced and saved once more
+    assert counters.warm_start_saves == 2 and counters.cache_damaged == 1
+    calls(new_process(model, cfg), model)  # the second failure: refused, through torch.compile
+    traced = []
+    monkeypatch.setattr(compat, "aot_compile", lambda *a, **k: traced.append(1))
+    calls(new_process(model, cfg), model)
+    assert traced == [] and counters.warm_start_saves == 2 and counters.warm_start_loads == 0
+
+
+@aot_only
+def test_transformers_model_warm_starts(tmp_path, fx_pieces):
+    """A decorated forward (its closure holds the undecorated one) returning a ModelOutput."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2)).eval()
+    cfg = CompileConfig(splitting_ops=["aten::scaled_dot_product_attention"], cache_dir=str(tmp_path),
+                        progress_bar=False)
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits
+        cold = new_process(model, cfg)(input_ids=ids, use_cache=False).logits
+        warm = new_process(model, cfg)(input_ids=ids, use_cache=False).logits
+    assert counters.warm_start_saves == 1 and counters.warm_start_loads == 1
+    assert counters.warm_start_fallbacks == 0
+    torch.testing.assert_close(cold, expected)
+    torch.testing.assert_close(warm, cold, rtol=0, atol=0)

@@ -357,14 +357,14 @@ DIM_MARKING_ATTRS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", 
                      "_dynamo_unbacked_bounds", "_dynamo_hint_overrides", "_has_dynamo_dim_marking")
 
 
-def aot_compile(fn, self_arg, args: tuple, kwargs: dict, backend, *, dynamic: bool | None):
+def aot_compile(fn, self_arg, args: tuple, kwargs: dict, backend, *, dynamic: bool | None, guard_filter):
     """Trace `fn` (fullgraph) with Dynamo, compile its graph with `backend` and build guards that can
     be saved: torch's `aot_compile_fullgraph` (2.13, 2.14.1), except that the backend runs with the
     traced code in its TracingContext, as under torch.compile (the torch_ext backend keys its disk
-    cache on those files), and that only guards on globals are dropped: a guard on an argument that
-    cannot be saved fails the compile (torch's default filter also drops such guards, e.g. identity
-    of an object argument, which could run saved code for another object). Returns
-    (AOTCompiledFunction, traced code objects)."""
+    cache on those files), and that `guard_filter(entries) -> [keep?]` decides which guards are kept
+    (torch's default drops every guard it cannot save, e.g. the identity of an object argument,
+    which could run saved code for another object; a kept guard that cannot be saved fails the
+    compile). Returns (AOTCompiledFunction, traced code objects)."""
     from torch._dynamo import aot_compile as aot, convert_frame
     from torch._dynamo.eval_frame import set_enable_dynamic
     from torch._dynamo.graph_utils import _graph_device_type
@@ -375,7 +375,7 @@ def aot_compile(fn, self_arg, args: tuple, kwargs: dict, backend, *, dynamic: bo
     from torch._guards import TracingContext
 
     target = fn.__get__(self_arg) if self_arg is not None else fn
-    hooks = Hooks(guard_filter_fn=lambda entries: [not e.is_global for e in entries])
+    hooks = Hooks(guard_filter_fn=guard_filter)
     with contextlib.ExitStack() as stack:
         stack.enter_context(get_metrics_context())
         stack.enter_context(dynamo_timed("fullgraph_capture"))
@@ -414,11 +414,27 @@ def aot_compile(fn, self_arg, args: tuple, kwargs: dict, backend, *, dynamic: bo
             list(graph_capture.traced_code)
 
 
-def aot_serialize(compiled) -> bytes:
-    """An AOTCompiledFunction as bytes (its backend artifact through serialize_compile_artifacts)."""
+def aot_serialize(compiled, external: dict[str, Any]) -> bytes:
+    """An AOTCompiledFunction as bytes (its backend artifact through serialize_compile_artifacts).
+    Objects in `external` are saved as references by key (aot_deserialize takes them back)."""
     from torch._dynamo.aot_compile import AOTCompiledFunction
 
-    return AOTCompiledFunction.serialize(compiled).serialized_data
+    return AOTCompiledFunction.serialize(compiled, external).serialized_data
+
+
+def aot_module_aliases(compiled, f_globals: dict) -> dict[str, str]:
+    """Globals the transformed code reads that Dynamo installed for modules it had no import alias
+    for (`___module_collections_<id>_c0`: the name holds an id, so another process lacks it):
+    name -> module name. torch's AOT compile neither saves nor restores them (2.13, 2.14.1)."""
+    import types as _types
+
+    env = compiled._artifacts.runtime_env
+    out = {}
+    for name in env.external_refs:
+        value = f_globals.get(name)
+        if isinstance(value, _types.ModuleType) and name not in env.import_sources and name not in env.used_globals:
+            out[name] = value.__name__
+    return out
 
 
 def aot_transformed_code(compiled):
@@ -426,7 +442,7 @@ def aot_transformed_code(compiled):
     return compiled._artifacts.runtime_env.bytecode
 
 
-def aot_deserialize(data: bytes, f_globals: dict, marks: dict[tuple, dict]):
+def aot_deserialize(data: bytes, f_globals: dict, marks: dict[tuple, dict], external: dict[str, Any]):
     """Load an AOTCompiledFunction (torch's `AOTCompiledFunction.deserialize`, 2.13 and 2.14.1), with one
     repair: saved guards are rebuilt from meta tensors that lost the dim markings (mark_dynamic & co.)
     of the compiled call, so a marked argument would fail them ("_has_dynamo_dim_marking is present on
@@ -443,13 +459,14 @@ def aot_deserialize(data: bytes, f_globals: dict, marks: dict[tuple, dict]):
     # As torch's AOTCompiledModel.deserialize: the backend may compile (a piece missing on disk).
     with compile_context(CompileContext(convert_frame.get_compile_id({}))), get_metrics_context(), \
             dynamo_timed("torch_ext_warm_start_load"):
-        return _aot_deserialize(aot, data, f_globals, marks, SerializedCode, load_guard_manager, load_guards_state)
+        return _aot_deserialize(aot, data, f_globals, marks, external, SerializedCode, load_guard_manager,
+                                load_guards_state)
 
 
-def _aot_deserialize(aot, data, f_globals, marks, SerializedCode, load_guard_manager, load_guards_state):
+def _aot_deserialize(aot, data, f_globals, marks, external, SerializedCode, load_guard_manager, load_guards_state):
     import io
 
-    unpickler = aot.AOTCompileUnpickler({}, io.BytesIO(data))
+    unpickler = aot.AOTCompileUnpickler(external, io.BytesIO(data))
     state = unpickler.load()
     state["runtime_env"] = dataclasses.replace(
         state["runtime_env"], bytecode=SerializedCode.to_code_object(state["runtime_env"].bytecode))
@@ -462,9 +479,11 @@ def _aot_deserialize(aot, data, f_globals, marks, SerializedCode, load_guard_man
     for path, attrs in marks.items():
         value = scope
         for key in path:
-            value = value[key]
-        for name, attr in attrs.items():
-            setattr(value, name, attr)
+            value = value[key] if isinstance(value, (dict, list, tuple)) and key in (
+                value if isinstance(value, dict) else range(len(value))) else None
+        if isinstance(value, torch.Tensor):  # else the guards refuse such a marked argument: Dynamo runs
+            for name, attr in attrs.items():
+                setattr(value, name, attr)
     artifacts = aot.CompileArtifacts(**state)
     artifacts.check_compatibility()
     fn_globals = artifacts.runtime_env.forward_callable(artifacts.backend_id, artifacts.compiled_fn,

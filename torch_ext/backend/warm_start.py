@@ -23,21 +23,21 @@ dispatch). Anything else goes through torch.compile, said in one log line.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import hashlib
+import importlib
 import inspect
 import logging
 import os
 import pickle
 import time
+import types
 from typing import Any
 
 import torch
 
 import torch_ext
 from torch_ext import compat
-from torch_ext.backend import warm_graph
+from torch_ext.backend import warm_graph, warm_key
 from torch_ext.backend.cache import ArtifactStore, _file_digest
 from torch_ext.backend.counters import counters
 from torch_ext.backend.environment import process_factors
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = "torch_ext warm start v1"
 STORE = "warm_start"  # <cache_dir>/warm_start/{artifacts,locks,tmp}: one ArtifactStore
-_PLAIN = (int, float, bool, str, type(None))
+_IDENTITY_GUARDS = ("CLASS_MATCH", "CLOSURE_MATCH", "FUNCTION_MATCH")
 
 
 def availability(config) -> str | None:
@@ -105,6 +105,7 @@ class WarmStart:
         self.dynamic = dynamic
         self.name = func.__qualname__
         self._said: set[str] = set()
+        self._load_failure: str | None = None  # why the entry found did not load (it is traced once more)
 
     def say(self, key: str, msg: str, *args, level: int = logging.INFO) -> None:
         """One log line per kind of event."""
@@ -137,19 +138,19 @@ class WarmStart:
 
     def entry_key(self, args: tuple, kwargs: dict) -> tuple[str, dict[str, str]]:
         config = self.backend.config
-        devices = {t.device.type for t in _tensors((args, kwargs))}
+        devices = {t.device.type for t in warm_key.tensors((args, kwargs))}
         if isinstance(self.model, torch.nn.Module):
-            devices |= {t.device.type for t in _module_tensors(self.model)}
+            devices |= {t.device.type for t in warm_key.module_tensors(self.model)}
         factors = {
             "format": FORMAT,
-            "torch_ext": _package_digest(),
+            "torch_ext": warm_key.package_digest(),
             "torch_ext_config": repr(torch_ext.config.checkpoint_side_effects),
-            "dynamo_config": _dynamo_config_digest(),
+            "dynamo_config": warm_key.dynamo_config_digest(),
             "backend_config": config.artifact_hash(),
             "forward": f"{self.func.__module__}.{self.func.__qualname__} "
                        f"{_file_digest(self.func.__code__.co_filename)}",
-            "model": _model_digest(self.self_arg),
-            "inputs": _spec((args, kwargs)),
+            "model": warm_key.model_digest(self.self_arg),
+            "inputs": warm_key.spec((args, kwargs)),
             "mode": f"grad={torch.is_grad_enabled()} inference={torch.is_inference_mode_enabled()} "
                     f"dynamic={self.dynamic}",
             **process_factors(devices, collectives=True),
@@ -187,10 +188,17 @@ class WarmStart:
             compat.prime_cpu_vec_isa(entry["cpu_vec_isa"])
         token = warm_graph.loading_backend.set(self.backend)
         try:
-            aot = compat.aot_deserialize(entry["aot"], self.func.__globals__, entry["marks"])
+            aliases = {name: importlib.import_module(module) for name, module in entry["module_aliases"].items()}
+            aot = compat.aot_deserialize(entry["aot"], {**self.func.__globals__, **aliases}, entry["marks"],
+                                         self._external())
             program = Program(aot, self.self_arg)
         except Exception as e:
-            store.discard(name, f"cannot be loaded: {type(e).__name__}: {e}")
+            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            store.discard(name, f"cannot be loaded: {reason}")
+            if entry.get("retraced_after"):  # traced again once already: torch cannot load what it saves here
+                _write(store, name, {"format": FORMAT, "refused": f"saved programs do not load ({reason})"})
+                return "refused"
+            self._load_failure = reason
             return None
         finally:
             warm_graph.loading_backend.reset(token)
@@ -199,10 +207,37 @@ class WarmStart:
 
     # -- trace and save -----------------------------------------------------------------------------
 
+    def _external(self) -> dict[str, Any]:
+        """What the entry refers to instead of holding: the contents of the forward's closure (a
+        decorated forward holds the undecorated function, which pickle cannot name). The next process
+        has them from the same source (its digest is checked)."""
+        return {f"closure {i}": cell.cell_contents for i, cell in enumerate(self.func.__closure__ or ())}
+
+    def _guard_filter(self, entries) -> list[bool]:
+        """Which of Dynamo's guards the entry keeps. Guards on globals go (they cannot be saved: the
+        globals a forward reads are frozen, as under guard-free dispatch). So do guards on the
+        identity of a class, function or code object reached from the model (its submodules' classes,
+        their methods, closures of a decorated forward): in another process these are new objects
+        made from the same source, which the entry checks instead (traced files' digests; the classes
+        of the model's modules are in the key); guards on the forward's closure (the function a
+        decorator wraps, its defaults) go for the same reason. Such a guard on an argument stays: passing another
+        function must not run the saved code; it cannot be saved, so the entry is refused."""
+        params = list(inspect.signature(self.func, follow_wrapped=False).parameters)
+        arguments = params[1:] if self.self_arg is not None else params
+        closure = list(self.func.__code__.co_freevars)  # a decorator's cells: the function it wraps
+        keep = []
+        for e in entries:
+            identity = e.guard_type in _IDENTITY_GUARDS or (e.guard_type == "CONSTANT_MATCH" and e.has_value
+                                                             and isinstance(e.value, types.CodeType))
+            keep.append(not e.is_global and not (identity and not warm_key.rooted_at(e.name, arguments))
+                        and not warm_key.rooted_at(e.name, closure))
+        return keep
+
     def _compile_and_save(self, store: ArtifactStore, name: str, factors: dict, args: tuple, kwargs: dict):
         try:
             aot, traced = compat.aot_compile(self.func, self.self_arg, args, kwargs,
-                                             warm_graph.backend_for_save(self.backend), dynamic=self.dynamic)
+                                             warm_graph.backend_for_save(self.backend), dynamic=self.dynamic,
+                                             guard_filter=self._guard_filter)
         except Exception as e:
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             self.say("refused", "cannot trace it for a warm start (%s); it goes through torch.compile", reason)
@@ -214,12 +249,14 @@ class WarmStart:
             if buffer_assignments(compat.aot_transformed_code(aot)):
                 return "refused"  # torch.compile's bytecode hook raises the error that shows the store
         program = Program(aot, self.self_arg)
-        arguments = inspect.signature(self.func).bind(*(((self.self_arg,) if self.self_arg is not None else ())
+        arguments = inspect.signature(self.func, follow_wrapped=False).bind(*(((self.self_arg,) if self.self_arg is not None else ())
                                                        + args), **kwargs).arguments
         sources = {path: _file_digest(path) for path in set(compat.aot_traced_files(traced)) if os.path.exists(path)}
         try:
             entry = {"format": FORMAT, "factors": factors, "sources": sources, "cpu_vec_isa": compat.cpu_vec_isa_names(),
-                     "marks": warm_graph.tensor_marks(arguments), "aot": compat.aot_serialize(aot)}
+                     "retraced_after": self._load_failure,
+                     "module_aliases": compat.aot_module_aliases(aot, self.func.__globals__),
+                     "marks": warm_graph.tensor_marks(arguments), "aot": compat.aot_serialize(aot, self._external())}
         except Exception as e:  # the program runs here; the next process traces again
             self.say("unsaved", "the traced program cannot be saved (%s: %s); the next process traces it again",
                      type(e).__name__, e, level=logging.WARNING)
@@ -236,102 +273,6 @@ def _write(store: ArtifactStore, name: str, entry: dict) -> bool:
     except OSError as e:
         log.warning("torch_ext warm start: cannot write %s (%s)", store.path(name), e)
         return False
-
-
-# -- key factors ----------------------------------------------------------------------------------
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-
-
-def _module_tensors(module: torch.nn.Module):
-    yield from module.parameters()
-    yield from module.buffers()
-
-
-def _spec(value) -> str:
-    """What the key holds of an argument: tensor metadata (no sizes: guards check those), types."""
-    if isinstance(value, torch.Tensor):
-        marks = {a: getattr(value, a) for a in compat.DIM_MARKING_ATTRS if hasattr(value, a)}
-        return (f"T({value.dtype},{value.device},{value.dim()},{value.requires_grad},"
-                f"{value.is_inference()},{sorted((k, repr(v)) for k, v in marks.items())})")
-    if isinstance(value, (list, tuple)):
-        return f"{type(value).__qualname__}[{','.join(_spec(v) for v in value)}]"
-    if isinstance(value, dict):
-        return f"dict{{{','.join(f'{k!r}:{_spec(v)}' for k, v in value.items())}}}"
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = ",".join(f"{f.name}={_spec(getattr(value, f.name))}" for f in dataclasses.fields(value))
-        return f"{type(value).__qualname__}({fields})"
-    return type(value).__qualname__
-
-
-def _model_digest(self_arg) -> str:
-    """The model's structure: modules, their plain attributes and training flags, the metadata of
-    parameters and buffers (their values are read at run time, not frozen)."""
-    if not isinstance(self_arg, torch.nn.Module):
-        return type(self_arg).__qualname__
-    h = hashlib.sha256()
-    for name, module in self_arg.named_modules(remove_duplicate=False):
-        plain = sorted((k, repr(v)) for k, v in vars(module).items() if not k.startswith("_") and isinstance(v, _PLAIN))
-        h.update(f"{name}:{type(module).__module__}.{type(module).__qualname__}:{plain}\n".encode())
-    for kind, items in (("p", self_arg.named_parameters(remove_duplicate=False)),
-                        ("b", self_arg.named_buffers(remove_duplicate=False))):
-        for name, t in items:
-            h.update(f"{kind}{name}:{tuple(t.shape)}:{t.stride()}:{t.dtype}:{t.device}:{t.requires_grad}\n".encode())
-    return h.hexdigest()
-
-
-def _dynamo_config_digest() -> str:
-    """Dynamo's config (values whose repr is stable across processes: no object addresses)."""
-    items = []
-    for key, value in sorted(torch._dynamo.config.get_config_copy().items()):
-        text = _stable_repr(value)
-        if not key.startswith("_") and " at 0x" not in text:
-            items.append(f"{key}={text}")
-    return hashlib.sha256("\n".join(items).encode()).hexdigest()
-
-
-def _stable_repr(value) -> str:
-    """repr, with sets and dicts in sorted order (string hashing differs between processes)."""
-    if isinstance(value, (set, frozenset)):
-        return "{" + ", ".join(sorted(_stable_repr(v) for v in value)) + "}"
-    if isinstance(value, dict):
-        return "{" + ", ".join(sorted(f"{_stable_repr(k)}: {_stable_repr(v)}" for k, v in value.items())) + "}"
-    if isinstance(value, (list, tuple)):
-        return type(value).__name__ + "(" + ", ".join(_stable_repr(v) for v in value) + ")"
-    return repr(value)
-
-
-@functools.lru_cache(maxsize=8)
-def _package_digest_cached(stamp: tuple) -> str:
-    h = hashlib.sha256()
-    for path, _, _ in stamp:
-        h.update(f"{os.path.basename(path)} {_file_digest(path)}\n".encode())
-    return h.hexdigest()
-
-
-def _package_digest() -> str:
-    """torch_ext's own source (its VariableTrackers shape the traced graph): the torch_ext, variables
-    and hops directories, by file name and content."""
-    import torch_ext.hops
-    import torch_ext.variables
-
-    stamp = []
-    for package in (torch_ext, torch_ext.variables, torch_ext.hops):
-        for directory, _, files in os.walk(os.path.dirname(package.__file__)):
-            for file in files:
-                if file.endswith(".py"):
-                    path = os.path.join(directory, file)
-                    st = os.stat(path)
-                    stamp.append((path, st.st_mtime_ns, st.st_size))
-    return _package_digest_cached(tuple(sorted(stamp)))
 
 
 class WarmStartModule:
