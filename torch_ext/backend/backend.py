@@ -45,13 +45,22 @@ class TorchExtBackend:
         self.cudagraphs = CudaGraphManager(self.config) if self.config.cudagraph_mode != "none" else None
         self._graphs = 0
         self._said_unmatched: set[str] = set()
+        self.last_store_key: str | None = None  # the piece cache's directory key of the last graph
+        self._said_warm = False
+        self.warm_start_used = False  # set by torch_ext.compile when it serves warm starts (warm_start.py)
         if self.config.cache_dir and os.path.exists(self.config.cache_dir):
             ensure_private_dir(self.config.cache_dir)  # refuse an unsafe directory early
 
     def __repr__(self) -> str:
         return f"TorchExtBackend({self.config})"
 
-    def __call__(self, gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
+    def __call__(self, gm: fx.GraphModule, example_inputs, *, store_key: str | None = None) -> fx.GraphModule:
+        """Compile a Dynamo graph. `store_key`: the piece cache's directory key saved with a warm-start
+        entry (warm_start.py), where no Dynamo trace is there to derive it from."""
+        if self.config.warm_start and not self.warm_start_used and not self._said_warm:
+            self._said_warm = True
+            log.warning("torch_ext: CompileConfig.warm_start applies to torch_ext.compile(model, config); "
+                        "torch.compile(model, backend=...) traces the model again in every process.")
         floats = compat.floats_to_specialize(example_inputs)
         if floats:
             # Pieces are compiled apart, some with real tensors of one size, where a Python float
@@ -67,7 +76,8 @@ class TorchExtBackend:
         if dumper:
             dumper.graph("dynamo_graph.py", gm, "the graph Dynamo handed to the torch_ext backend")
 
-        store = self._store(gm)
+        store = self._store(gm, store_key)
+        self.last_store_key = store.key if store is not None else None
         group = PieceGroup(f"graph {index}", self.config, self.builder, store, batch_symbol(gm))
         split = split_graph(gm, self.matcher, self.config.hop_split)
         self._say_unmatched(gm, index)
@@ -104,13 +114,13 @@ class TorchExtBackend:
             log.warning("torch_ext: splitting op %s matches no call in graph %d, so the graph is not split "
                         "there%s (README, Backend: which names match).", name, index, hint)
 
-    def _store(self, gm: fx.GraphModule) -> ArtifactStore | None:
+    def _store(self, gm: fx.GraphModule, key: str | None = None) -> ArtifactStore | None:
         if not self.config.cache_dir:
             return None
         traced = torch._guards.TracingContext.get_traced_code() or []
         files = [code.co_filename for code in traced]
         try:
-            key = model_key(self.config.artifact_hash(), files, environment_factors(gm))
+            key = key or model_key(self.config.artifact_hash(), files, environment_factors(gm))
             return ArtifactStore(self.config.cache_dir, key)
         except UnsafeCacheDirError:
             raise

@@ -117,6 +117,7 @@ class ArtifactStore:
 
     def __init__(self, root: str, key: str):
         ensure_private_dir(root)
+        self.key = key
         self.directory = os.path.join(root, key)
         ensure_private_dir(self.directory)
         for sub in ("artifacts", "locks", "tmp"):

@@ -148,6 +148,10 @@ class CompileConfig:
     cudagraph_num_warmup: int = 1
     cudagraph_check_addresses: bool = False
     guard_free_dispatch: bool = False
+    # torch_ext.compile saves the traced program beside the pieces and a new process loads it without
+    # tracing (backend/warm_start.py). None: on where a cache_dir is set and torch has AOT compile
+    # (2.13+); True: the same, said once where it cannot be; False: off.
+    warm_start: bool | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -202,6 +206,12 @@ class CompileConfig:
         for flag in ("dedup", "cudagraph_check_addresses", "guard_free_dispatch", "unfuse_output_addmm"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(flag, f"expected True or False, got {getattr(self, flag)!r}", f"Write {flag}=True")
+        if self.warm_start is not None and not isinstance(self.warm_start, bool):
+            _fail("warm_start", f"expected True, False or None, got {self.warm_start!r}",
+                  "None turns it on where a cache_dir is set")
+        if self.warm_start and not self.cache_dir:
+            _fail("warm_start", "is True but cache_dir is None: the traced program is saved in the cache dir",
+                  "Set cache_dir, or warm_start=None/False")
         if self.progress_bar is not None and not isinstance(self.progress_bar, bool):
             _fail("progress_bar", f"expected True, False or None, got {self.progress_bar!r}",
                   "None shows bars only on a terminal")

@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from torch_ext import compat
+from torch_ext.backend import warm_start as _warm_start
 from torch_ext.backend.cudagraph_errors import CudaGraphBufferMutationError, CudaGraphError
 from torch_ext.backend.signature import CallSignature
 
@@ -173,15 +174,9 @@ class GuardFreeDispatcher:
     every call matching the signature that code was compiled for."""
 
     def __init__(self, model: nn.Module | Callable, backend: Callable, *, dynamic: bool | None = None,
-                 debug_dir: str | None = None):
-        if isinstance(model, nn.Module):
-            bound = model.forward
-            func, self_arg = bound.__func__, bound.__self__
-        elif inspect.ismethod(model):
-            func, self_arg = model.__func__, model.__self__
-        elif isinstance(model, types.FunctionType):
-            func, self_arg = model, None
-        else:
+                 debug_dir: str | None = None, warm_start: bool = False):
+        func, self_arg = _forward_of(model)
+        if func is None:
             raise TypeError(f"guard-free dispatch needs an nn.Module, a method or a Python function, got {model!r}")
         self.model = model
         self.func = func
@@ -196,6 +191,8 @@ class GuardFreeDispatcher:
         self._graph_inputs: dict | None = None  # set by the backend during a guarded call
         self._noted: set = set()
         self.calls = 0  # calls that went through Dynamo (1 while every call matches the first)
+        # Warm start (warm_start.py): the first call runs, and arms, the program saved by an earlier process.
+        self.warm = _warm_start.for_forward(model, func, self_arg, backend, dynamic) if warm_start else None
         _ensure_hook()
 
     def __repr__(self) -> str:
@@ -221,6 +218,19 @@ class GuardFreeDispatcher:
         return compiled
 
     def _guarded_call(self, args, kwargs):
+        if self.warm is not None:
+            warm, self.warm = self.warm, None  # consulted at the first call only
+            program = warm.program(args, kwargs)
+            reason = program.mismatch(args, kwargs) if program is not None else "no program"
+            if reason is None:
+                out = program(args, kwargs)
+                fast = functools.partial(program.function, self.self_arg) if self.self_arg is not None \
+                    else program.function
+                self._arm(args, kwargs, ready=(fast, program.graph_inputs))
+                return out
+            if program is not None:
+                warm.say("mismatch", "the first call does not match the saved program (%s); it goes through "
+                         "torch.compile", reason)
         if self.signatures:
             self._warn_mismatch(args, kwargs)
         self.calls += 1
@@ -259,10 +269,14 @@ class GuardFreeDispatcher:
                       f"through torch.compile with guards; Dynamo compiles code for it where they fail, and later "
                       f"calls like it run that code without guards.{hint}", GuardFreeDispatchWarning, stacklevel=4)
 
-    def _arm(self, args, kwargs) -> None:
+    def _arm(self, args, kwargs, ready: tuple[Callable, dict] | None = None) -> None:
+        """Arm the code of the call just compiled, or `ready`: (a function to call, its graph inputs)."""
         code, inputs = self._new_code, self._graph_inputs
         self._new_code = self._graph_inputs = None
-        if code is None:
+        if ready is not None:
+            code = None
+            inputs = ready[1]
+        elif code is None:
             # Dynamo ran code compiled before: for another instance of this forward (served from its
             # cache on a first call), or code this dispatcher did not arm (its check is stricter).
             if self._variants:
@@ -277,7 +291,7 @@ class GuardFreeDispatcher:
                 return
             code = entries[0].code
             inputs = _graph_inputs_of_code.get(code)  # None: every size checked as in this call
-        if code.co_freevars != self.code.co_freevars:
+        if code is not None and code.co_freevars != self.code.co_freevars:
             self._note(("freevars",), "torch_ext: guard-free dispatch could not use the code Dynamo generated "
                        "for %s; calls go through torch.compile (with guards)", self.func.__qualname__, warn=True)
             return
@@ -296,14 +310,18 @@ class GuardFreeDispatcher:
             self._note(("unmatched",), "torch_ext: guard-free dispatch of %s: a compiled call does not match its own "
                        "signature (%s); it is not armed", self.func.__qualname__, signature.explain(args, kwargs))
             return
-        fn = types.FunctionType(code, self.func.__globals__, self.func.__name__, self.func.__defaults__,
-                                self.func.__closure__)
-        fn.__kwdefaults__ = self.func.__kwdefaults__
-        fast = functools.partial(fn, self.self_arg) if self.self_arg is not None else fn
+        if ready is not None:
+            fast = ready[0]
+        else:
+            fn = types.FunctionType(code, self.func.__globals__, self.func.__name__, self.func.__defaults__,
+                                    self.func.__closure__)
+            fn.__kwdefaults__ = self.func.__kwdefaults__
+            fast = functools.partial(fn, self.self_arg) if self.self_arg is not None else fn
         self._variants.insert(0, (signature.check, fast))
         self.signatures.insert(0, signature)
         if self.debug_dir:
-            self._dump(code, signature, len(self._variants) - 1)
+            self._dump(code if code is not None else ready[0].__code__ if self.self_arg is None
+                       else ready[0].func.__code__, signature, len(self._variants) - 1)
         log.info("torch_ext: guard-free dispatch armed variant %d of %s", len(self._variants), self.func.__qualname__)
 
     def _note(self, key, msg: str, *args, warn: bool = False) -> None:
@@ -331,11 +349,28 @@ class GuardFreeDispatcher:
             log.warning("torch_ext: cannot write %s: %s", path, e)
 
 
+def _forward_of(model) -> tuple[Callable | None, Any]:
+    """(function, self) of what torch.compile traces for `model`; (None, None) for other callables."""
+    if isinstance(model, nn.Module):
+        bound = model.forward
+        if inspect.ismethod(bound):
+            return bound.__func__, bound.__self__
+    elif inspect.ismethod(model):
+        return model.__func__, model.__self__
+    elif isinstance(model, types.FunctionType):
+        return model, None
+    return None, None
+
+
 def compile(model, config=None, *, dynamic: bool | None = None):
     """torch.compile with the torch_ext backend; with config.guard_free_dispatch, a GuardFreeDispatcher."""
     from torch_ext.backend import make_backend
 
     backend = make_backend(config)
-    if not backend.config.guard_free_dispatch:
-        return torch.compile(model, backend=backend, dynamic=dynamic)
-    return GuardFreeDispatcher(model, backend, dynamic=dynamic, debug_dir=backend.config.debug_dump_dir)
+    if backend.config.guard_free_dispatch:
+        return GuardFreeDispatcher(model, backend, dynamic=dynamic, debug_dir=backend.config.debug_dump_dir,
+                                   warm_start=True)
+    compiled = torch.compile(model, backend=backend, dynamic=dynamic)
+    func, self_arg = _forward_of(model)
+    warm = _warm_start.for_forward(model, func, self_arg, backend, dynamic) if func is not None else None
+    return compiled if warm is None else _warm_start.WarmStartModule(model, compiled, warm)

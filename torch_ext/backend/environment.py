@@ -51,6 +51,11 @@ def holds_collectives(gm: fx.GraphModule) -> bool:
 
 def environment_factors(gm: fx.GraphModule) -> dict[str, str]:
     """The factors of the directory key that come from this process and machine."""
+    return process_factors(_devices(gm), holds_collectives(gm))
+
+
+def process_factors(devices: set[str], collectives: bool) -> dict[str, str]:
+    """The same factors for graphs on `devices` (device types) that may hold collectives."""
     factors = {
         "torch": f"{torch.__version__} git={torch.version.git_version}",
         "python": sys.version,
@@ -58,12 +63,11 @@ def environment_factors(gm: fx.GraphModule) -> dict[str, str]:
         "cuda": str(torch.version.cuda),
         "hip": str(getattr(torch.version, "hip", None)),
     }
-    devices = _devices(gm)
     if "cpu" in devices:  # Inductor's C++ kernels use the vector ISA of the machine that compiled them
         factors["cpu"] = torch.backends.cpu.get_cpu_capability()
     if "cuda" in devices and torch.cuda.is_available():
         gpus = (torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count()))
         factors["gpus"] = "; ".join(sorted({f"{p.name} sm_{p.major}{p.minor}" for p in gpus}))
-    if holds_collectives(gm) and torch.distributed.is_available() and torch.distributed.is_initialized():
+    if collectives and torch.distributed.is_available() and torch.distributed.is_initialized():
         factors["rank"] = f"{torch.distributed.get_rank()}/{torch.distributed.get_world_size()}"
     return factors

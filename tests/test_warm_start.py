@@ -1,0 +1,361 @@
+"""Warm start (torch_ext/backend/warm_start.py): a new process runs the saved program without Dynamo,
+matches eager and the cold compile; calls the program was not traced for go through Dynamo; the
+entries are kept like the rest of the cache (atomic, checked, locked); the key changes with what
+changes the trace."""
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import backend_models as bm
+import torch_ext
+from torch_ext import compat
+from torch_ext.backend import CompileConfig, ConfigError, counters, make_backend
+from torch_ext.backend import cache as cache_mod
+from torch_ext.backend import environment, warm_key, warm_start
+
+WORKER = os.path.join(os.path.dirname(__file__), "warm_worker.py")
+aot_only = pytest.mark.skipif(not compat.HAS_AOT_COMPILE, reason="this torch has no AOT compile: no warm start")
+
+
+# Models at module level: a class defined inside a function cannot be saved (guards name its type).
+class Shift(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, n: int):
+        return self.lin(x) * n
+
+
+class Breaks(nn.Module):
+    """A graph break: AOT compile needs one graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        torch._dynamo.graph_break()
+        return y.relu()
+
+
+@pytest.fixture
+def fx_pieces(monkeypatch):
+    """Pieces run as FX graphs: what is tested here is around them (they are then not cached on disk)."""
+    from torch_ext.backend.compiler import InductorCompiler
+
+    monkeypatch.setattr(InductorCompiler, "compile", lambda self, gm, example_inputs, variant, name="": gm)
+    monkeypatch.setattr(InductorCompiler, "serialize", staticmethod(lambda artifact: None))
+
+
+def run_worker(cache_dir, *extra, timeout=300):
+    out = subprocess.run([sys.executable, WORKER, str(cache_dir), *extra], capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def entries(cache_dir):
+    return sorted(glob.glob(os.path.join(str(cache_dir), warm_start.STORE, "artifacts", "*.bin")))
+
+
+def config(cache_dir, **kwargs) -> CompileConfig:
+    return CompileConfig(splitting_ops=["torch_ext_test::attention"], cache_dir=str(cache_dir), progress_bar=False,
+                         **kwargs)
+
+
+def new_process(model, cfg):
+    """What a new process does, in this one: fresh Dynamo, a fresh backend (its own piece memo)."""
+    torch._dynamo.reset()
+    return torch_ext.compile(model, cfg)
+
+
+def calls(compiled, model, sizes=(4, 6, 1), dtype=torch.float32):
+    """Run compiled and eager at these batch sizes (the first marked dynamic); return the outputs."""
+    eager_caches = [c.to(dtype) for c in model.caches()]
+    compiled_caches = [c.clone() for c in eager_caches]
+    outs = []
+    for i, n in enumerate(sizes):
+        x = bm.batch(n, seed=i, dynamic=(i == 0)).to(dtype)
+        if i == 0:
+            torch._dynamo.mark_dynamic(x, 0)
+        with torch.no_grad():
+            out = compiled(x, compiled_caches)
+            torch.testing.assert_close(out, model(x, eager_caches), atol=1e-5, rtol=1e-5)
+        outs.append(out.clone())
+    for a, e in zip(compiled_caches, eager_caches):
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+    return outs
+
+
+@aot_only
+def test_new_process_runs_the_saved_program_without_tracing(tmp_path):
+    cold = run_worker(tmp_path, "--sizes", "4,6,9")
+    assert cold["max_error"] < 1e-5
+    assert cold["counters"]["warm_start_saves"] == 1 and cold["counters"]["inductor_compiles"] == 3
+    assert len(entries(tmp_path)) == 1
+
+    warm = run_worker(tmp_path, "--sizes", "4,6,9")
+    assert warm["max_error"] < 1e-5
+    c = warm["counters"]
+    assert c["warm_start_loads"] == 1 and c["warm_start_saves"] == 0 and c["warm_start_fallbacks"] == 0
+    assert c["inductor_compiles"] == 0 and c["cache_hits"] == 3
+    assert warm["dynamo_frames"].get("total", 0) == 0  # Dynamo never saw a frame
+    assert warm["outputs"] == cold["outputs"]  # the same kernels: bit for bit
+
+    # Without warm start the same worker goes through Dynamo (so the frame count above can fail).
+    plain = run_worker(tmp_path, "--sizes", "4,6,9", "--no-warm")
+    assert plain["dynamo_frames"].get("total", 0) > 0 and plain["counters"]["warm_start_loads"] == 0
+
+
+@aot_only
+def test_guard_free_dispatch_arms_the_loaded_program(tmp_path):
+    cold = run_worker(tmp_path, "--guard-free", "--fx-pieces", "--sizes", "4,6,1,9")
+    warm = run_worker(tmp_path, "--guard-free", "--fx-pieces", "--sizes", "4,6,1,9")
+    assert cold["max_error"] < 1e-5 and warm["max_error"] < 1e-5
+    assert warm["counters"]["warm_start_loads"] == 1 and warm["dynamo_frames"].get("total", 0) == 0
+    assert warm["outputs"] == cold["outputs"]
+
+
+@aot_only
+def test_a_call_the_program_was_not_traced_for_goes_through_dynamo(tmp_path, fx_pieces, caplog):
+    model = bm.Decoder(layers=2)
+    cfg = config(tmp_path)
+    x = bm.batch(4, seed=0)  # not marked: Dynamo specializes the batch size to 4
+    with torch.no_grad():
+        cold = new_process(model, cfg)(x, model.caches())
+    assert counters.warm_start_saves == 1
+
+    compiled = new_process(model, cfg)
+    with caplog.at_level(logging.INFO, logger="torch_ext.backend.warm_start"), torch.no_grad():
+        torch.testing.assert_close(compiled(x, model.caches()), cold, rtol=0, atol=0)
+        assert counters.warm_start_loads == 1 and counters.graphs_seen == 2  # cold + loaded, no trace
+        y = bm.batch(6, seed=1)  # another size: the saved guards refuse it
+        torch.testing.assert_close(compiled(y, model.caches()), model(y, model.caches()))
+        compiled(bm.batch(7, seed=2), model.caches())
+    assert counters.warm_start_fallbacks == 2
+    assert counters.graphs_seen == 4  # Dynamo traced the calls at 6, then at 7 (now with a dynamic batch)
+    said = [r.getMessage() for r in caplog.records if "was not traced for" in r.getMessage()]
+    assert len(said) == 1 and "L['x']" in said[0], said  # one line, saying which argument
+
+
+@aot_only
+def test_first_call_other_dtype_or_mode_never_runs_the_saved_program(tmp_path, fx_pieces):
+    model = bm.Decoder(layers=2)
+    cfg = config(tmp_path)
+    calls(new_process(model, cfg), model, sizes=(4,))
+    # Another dtype (a key of its own), then grad mode on: traced and saved anew, never loaded.
+    calls(new_process(model.double(), cfg), model, sizes=(4,), dtype=torch.float64)
+    assert counters.warm_start_loads == 0 and counters.warm_start_saves == 2
+    model.float()
+    x = bm.batch(4, seed=0)
+    torch.testing.assert_close(new_process(model, cfg)(x, model.caches()), model(x, model.caches()))
+    assert counters.warm_start_loads == 0 and counters.warm_start_saves == 3
+    assert len(entries(tmp_path)) == 3
+
+
+@aot_only
+def test_int_argument_specialized_by_dynamo_is_guarded(tmp_path, fx_pieces):
+    model, x = Shift(), torch.randn(4, 8)
+    cfg = CompileConfig(cache_dir=str(tmp_path), progress_bar=False)
+    new_process(model, cfg)(x, 2)
+    compiled = new_process(model, cfg)
+    torch.testing.assert_close(compiled(x, 2), model(x, 2))
+    torch.testing.assert_close(compiled(x, 3), model(x, 3))  # not the program traced for n=2
+    assert counters.warm_start_loads == 1 and counters.warm_start_fallbacks == 1
+
+
+def _damage_truncate(path):
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+
+
+def _damage_flip(path):
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x10
+    open(path, "wb").write(bytes(data))
+
+
+def _damage_unloadable(path):
+    import pickle
+
+    entry = pickle.loads(cache_mod.unpack(open(path, "rb").read()))
+    entry["aot"] = entry["aot"][:100]  # checksum valid, torch cannot load it
+    open(path, "wb").write(cache_mod.pack(pickle.dumps(entry)))
+
+
+@aot_only
+@pytest.mark.parametrize("damage", [_damage_truncate, _damage_flip, _damage_unloadable],
+                         ids=["truncated", "bit_flipped", "unloadable"])
+def test_damaged_entry_is_reported_set_aside_and_traced_again(tmp_path, fx_pieces, caplog, damage):
+    model = bm.Decoder(layers=2)
+    cfg = config(tmp_path)
+    calls(new_process(model, cfg), model)
+    (path,) = entries(tmp_path)
+    damage(path)
+    counters.reset()
+    with caplog.at_level(logging.WARNING, logger="torch_ext.backend.cache"):
+        calls(new_process(model, cfg), model)
+    assert counters.cache_damaged == 1 and counters.warm_start_loads == 0 and counters.warm_start_saves == 1
+    assert any("damaged" in r.getMessage() and os.path.basename(path) in r.getMessage() for r in caplog.records)
+    assert os.path.exists(path + ".damaged")
+    cache_mod.unpack(open(path, "rb").read())  # rewritten whole
+    counters.reset()
+    calls(new_process(model, cfg), model)
+    assert counters.warm_start_loads == 1
+
+
+@aot_only
+def test_traced_source_change_invalidates(tmp_path, fx_pieces, caplog, monkeypatch):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "warm_helper.py").write_text("def act(x):\n    return x * 2\n")
+    (package / "warm_model.py").write_text(
+        "import torch\nimport warm_helper\n\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.lin = torch.nn.Linear(8, 8)\n\n"
+        "    def forward(self, x):\n        return warm_helper.act(self.lin(x))\n")
+    monkeypatch.syspath_prepend(str(package))
+    import warm_helper
+    import warm_model
+
+    model, x = warm_model.M(), torch.randn(4, 8)
+    cfg = CompileConfig(cache_dir=str(tmp_path / "cache"), progress_bar=False)
+    new_process(model, cfg)(x)
+    (package / "warm_helper.py").write_text("def act(x):\n    return x * 3\n")  # a file Dynamo traced
+    importlib.reload(warm_helper)
+    with caplog.at_level(logging.INFO, logger="torch_ext.backend.warm_start"):
+        torch.testing.assert_close(new_process(model, cfg)(x), model.lin(x) * 3)
+    assert counters.warm_start_loads == 0 and counters.warm_start_saves == 2
+    assert any("warm_helper.py changed" in r.getMessage() for r in caplog.records)
+    torch.testing.assert_close(new_process(model, cfg)(x), model.lin(x) * 3)
+    assert counters.warm_start_loads == 1
+
+
+@aot_only
+@pytest.mark.parametrize("change", ["torch version", "triton", "backend config", "dynamo config", "model structure",
+                                    "model attribute", "training", "dtype", "dim marking", "grad mode", "torch_ext source"])
+def test_entry_key_changes_with_what_changes_the_trace(tmp_path, monkeypatch, change):
+    model = bm.Decoder(layers=2)
+    cfg = config(tmp_path)
+    compiled = torch_ext.compile(model, cfg)
+    x = bm.batch(4)
+    key = lambda: compiled.warm.entry_key((x, model.caches()), {})[0]  # noqa: E731
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        before = key()
+        assert key() == before
+        if change == "torch version":
+            monkeypatch.setattr(torch, "__version__", "2.99.0")
+        elif change == "triton":
+            monkeypatch.setattr(environment, "_version", lambda package: "9.9.9")
+        elif change == "backend config":
+            compiled.warm.backend.config = config(tmp_path, inductor_options={"max_autotune_pointwise": False})
+        elif change == "dynamo config":
+            stack.enter_context(torch._dynamo.config.patch(assume_static_by_default=False))
+        elif change == "model structure":
+            model.layers.append(bm.Layer())
+        elif change == "model attribute":
+            model.layers[0].kind = "fn"
+        elif change == "training":
+            model.eval()
+        elif change == "dtype":
+            x = x.double()
+        elif change == "dim marking":
+            torch._dynamo.mark_dynamic(x, 0)
+        elif change == "torch_ext source":
+            monkeypatch.setattr(warm_key, "package_digest", lambda: "edited")
+        if change == "grad mode":
+            with torch.enable_grad():
+                assert key() != before
+        else:
+            assert key() != before
+
+
+@aot_only
+def test_a_forward_that_cannot_be_saved_goes_through_torch_compile_and_is_not_retraced(tmp_path, fx_pieces,
+                                                                                      caplog, monkeypatch):
+    model, x = Breaks(), torch.randn(4, 8)
+    cfg = CompileConfig(cache_dir=str(tmp_path), progress_bar=False)
+    with caplog.at_level(logging.INFO, logger="torch_ext.backend.warm_start"):
+        torch.testing.assert_close(new_process(model, cfg)(x), model(x))
+    assert any("cannot trace it for a warm start" in r.getMessage() for r in caplog.records)
+    traced = []
+    monkeypatch.setattr(compat, "aot_compile", lambda *a, **k: traced.append(1))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="torch_ext.backend.warm_start"):
+        torch.testing.assert_close(new_process(model, cfg)(x), model(x))
+    assert traced == []  # the refusal is remembered: no second attempt
+    assert sum("could not be saved" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_warm_start_off_or_unavailable(tmp_path, caplog):
+    model = nn.Linear(4, 4)
+    off = torch_ext.compile(model, CompileConfig(cache_dir=str(tmp_path), warm_start=False))
+    assert isinstance(off, torch._dynamo.eval_frame.OptimizedModule)
+    off(torch.randn(2, 4))
+    assert not os.path.exists(tmp_path / warm_start.STORE)
+    with pytest.raises(ConfigError, match="warm_start"):
+        CompileConfig(cache_dir=None, warm_start=True)
+    on = CompileConfig(cache_dir=str(tmp_path), warm_start=True)
+    with caplog.at_level(logging.WARNING):
+        torch.compile(model, backend=make_backend(on))(torch.randn(2, 4))  # torch.compile: said once
+        compiled = torch_ext.compile(model, on)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "warm_start applies to torch_ext.compile" in said
+    if compat.HAS_AOT_COMPILE:
+        assert isinstance(compiled, warm_start.WarmStartModule)
+    else:  # torch 2.9.1: the normal path, and a line saying so
+        assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
+        assert "has no AOT compile" in said
+
+
+@aot_only
+def test_an_entry_that_does_not_load_is_traced_once_more_then_refused(tmp_path, fx_pieces, monkeypatch):
+    model = bm.Decoder(layers=2)
+    cfg = config(tmp_path)
+    calls(new_process(model, cfg), model)
+
+    def cannot_load(*args, **kwargs):
+        raise RuntimeError("torch cannot load it")
+
+    monkeypatch.setattr(compat, "aot_deserialize", cannot_load)
+    calls(new_process(model, cfg), model)  # set aside, traced and saved once more
+    assert counters.warm_start_saves == 2 and counters.cache_damaged == 1
+    calls(new_process(model, cfg), model)  # the second failure: refused, through torch.compile
+    traced = []
+    monkeypatch.setattr(compat, "aot_compile", lambda *a, **k: traced.append(1))
+    calls(new_process(model, cfg), model)
+    assert traced == [] and counters.warm_start_saves == 2 and counters.warm_start_loads == 0
+
+
+@aot_only
+def test_transformers_model_warm_starts(tmp_path, fx_pieces):
+    """A decorated forward (its closure holds the undecorated one) returning a ModelOutput."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2)).eval()
+    cfg = CompileConfig(splitting_ops=["aten::scaled_dot_product_attention"], cache_dir=str(tmp_path),
+                        progress_bar=False)
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits
+        cold = new_process(model, cfg)(input_ids=ids, use_cache=False).logits
+        warm = new_process(model, cfg)(input_ids=ids, use_cache=False).logits
+    assert counters.warm_start_saves == 1 and counters.warm_start_loads == 1
+    assert counters.warm_start_fallbacks == 0
+    torch.testing.assert_close(cold, expected)
+    torch.testing.assert_close(warm, cold, rtol=0, atol=0)

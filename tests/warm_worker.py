@@ -1,0 +1,87 @@
+"""A separate process for the warm-start tests: torch_ext.compile the toy decoder with a cache dir,
+call it at a few batch sizes, check against eager, print JSON on the last line (counters, Dynamo's
+own frame count, the outputs).
+
+    python tests/warm_worker.py CACHE_DIR [--layers N] [--sizes 4,6] [--guard-free] [--fx-pieces] [--no-warm]
+                                          [--barrier DIR --parties N] [--hang-before-commit]
+
+--fx-pieces: pieces run as FX graphs (no Inductor: fast; they are not cached on disk).
+--barrier/--parties: wait until N workers reach the first call, so they start together.
+--hang-before-commit: on the warm-start entry's write, print HANGING and stop after its bytes are
+on disk but before they are renamed into place (the parent then SIGKILLs us).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+import backend_models as bm
+import torch_ext
+from torch_ext.backend import CompileConfig, counters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("cache_dir")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--sizes", default="4,6")
+    parser.add_argument("--guard-free", action="store_true")
+    parser.add_argument("--fx-pieces", action="store_true")
+    parser.add_argument("--no-warm", action="store_true", help="CompileConfig.warm_start=False")
+    parser.add_argument("--barrier", default=None)
+    parser.add_argument("--parties", type=int, default=1)
+    parser.add_argument("--hang-before-commit", action="store_true")
+    args = parser.parse_args()
+
+    if args.fx_pieces:
+        from torch_ext.backend.compiler import InductorCompiler
+
+        InductorCompiler.compile = lambda self, gm, example_inputs, variant, name="": gm
+    if args.hang_before_commit:
+        import torch_ext.backend.cache as cache
+
+        real_fsync = os.fsync
+
+        def hang(fd):
+            writer = sys._getframe(1)
+            if writer.f_code.co_name == "write" and "warm_start" in writer.f_locals["self"].directory:
+                print("HANGING", flush=True)
+                time.sleep(600)
+            real_fsync(fd)
+
+        cache.os.fsync = hang  # ArtifactStore.write fsyncs the temp file right before os.replace
+
+    cfg = CompileConfig(splitting_ops=["torch_ext_test::attention"], cache_dir=args.cache_dir,
+                        guard_free_dispatch=args.guard_free, progress_bar=False,
+                        warm_start=False if args.no_warm else None)
+    model = bm.Decoder(layers=args.layers)
+    compiled = torch_ext.compile(model, cfg)
+    if args.barrier:
+        open(os.path.join(args.barrier, f"ready.{os.getpid()}"), "w").close()
+        deadline = time.time() + 120
+        while len(os.listdir(args.barrier)) < args.parties and time.time() < deadline:
+            time.sleep(0.05)
+
+    worst, outputs = 0.0, []
+    eager_caches, compiled_caches = model.caches(), model.caches()
+    for i, n in enumerate(int(s) for s in args.sizes.split(",")):
+        x = bm.batch(n, seed=i, dynamic=(i == 0))
+        with torch.no_grad():
+            expected = model(x, eager_caches)
+            actual = compiled(x, compiled_caches)
+        outputs.append(actual.tolist())
+        worst = max(worst, (actual - expected).abs().max().item(),
+                    *((a - b).abs().max().item() for a, b in zip(compiled_caches, eager_caches)))
+    frames = dict(torch._dynamo.utils.counters["frames"])
+    print(json.dumps({"pid": os.getpid(), "max_error": worst, "counters": counters.snapshot(),
+                      "dynamo_frames": frames, "outputs": outputs}))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

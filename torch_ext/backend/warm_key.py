@@ -1,0 +1,116 @@
+"""What a warm-start entry is keyed on and checked against (warm_start.py): descriptions of the call,
+the model and the environment that are stable across processes."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+import re
+
+import torch
+
+import torch_ext
+from torch_ext import compat
+from torch_ext.backend.cache import _file_digest
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def rooted_at(guard_name: str, names: list[str]) -> bool:
+    """Whether a guard's source expression ("x.__class__", "type(x).f", "L['x']") reads one of `names`."""
+    return any(re.search(rf"(^|[(\[']){re.escape(n)}\b", guard_name) for n in names)
+
+
+def tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors(item)
+
+
+def module_tensors(module: torch.nn.Module):
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+def spec(value) -> str:
+    """What the key holds of an argument: tensor metadata (no sizes: guards check those), types."""
+    if isinstance(value, torch.Tensor):
+        marks = {a: getattr(value, a) for a in compat.DIM_MARKING_ATTRS if hasattr(value, a)}
+        return (f"T({value.dtype},{value.device},{value.dim()},{value.requires_grad},"
+                f"{value.is_inference()},{sorted((k, repr(v)) for k, v in marks.items())})")
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__qualname__}[{','.join(spec(v) for v in value)}]"
+    if isinstance(value, dict):
+        return f"dict{{{','.join(f'{k!r}:{spec(v)}' for k, v in value.items())}}}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = ",".join(f"{f.name}={spec(getattr(value, f.name))}" for f in dataclasses.fields(value))
+        return f"{type(value).__qualname__}({fields})"
+    return type(value).__qualname__
+
+
+def model_digest(self_arg) -> str:
+    """The model's structure: modules, their plain attributes and training flags, the metadata of
+    parameters and buffers (their values are read at run time, not frozen)."""
+    if not isinstance(self_arg, torch.nn.Module):
+        return type(self_arg).__qualname__
+    h = hashlib.sha256()
+    for name, module in self_arg.named_modules(remove_duplicate=False):
+        plain = sorted((k, repr(v)) for k, v in vars(module).items() if not k.startswith("_") and isinstance(v, _PLAIN))
+        h.update(f"{name}:{type(module).__module__}.{type(module).__qualname__}:{plain}\n".encode())
+    for kind, items in (("p", self_arg.named_parameters(remove_duplicate=False)),
+                        ("b", self_arg.named_buffers(remove_duplicate=False))):
+        for name, t in items:
+            h.update(f"{kind}{name}:{tuple(t.shape)}:{t.stride()}:{t.dtype}:{t.device}:{t.requires_grad}\n".encode())
+    return h.hexdigest()
+
+
+def dynamo_config_digest() -> str:
+    """Dynamo's config (values whose repr is stable across processes: no object addresses)."""
+    items = []
+    for key, value in sorted(torch._dynamo.config.get_config_copy().items()):
+        text = _stable_repr(value)
+        if not key.startswith("_") and " at 0x" not in text:
+            items.append(f"{key}={text}")
+    return hashlib.sha256("\n".join(items).encode()).hexdigest()
+
+
+def _stable_repr(value) -> str:
+    """repr, with sets and dicts in sorted order (string hashing differs between processes)."""
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(_stable_repr(v) for v in value)) + "}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(sorted(f"{_stable_repr(k)}: {_stable_repr(v)}" for k, v in value.items())) + "}"
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__ + "(" + ", ".join(_stable_repr(v) for v in value) + ")"
+    return repr(value)
+
+
+@functools.lru_cache(maxsize=8)
+def _package_digest_cached(stamp: tuple) -> str:
+    h = hashlib.sha256()
+    for path, _, _ in stamp:
+        h.update(f"{os.path.basename(path)} {_file_digest(path)}\n".encode())
+    return h.hexdigest()
+
+
+def package_digest() -> str:
+    """torch_ext's own source (its VariableTrackers shape the traced graph): the torch_ext, variables
+    and hops directories, by file name and content."""
+    import torch_ext.hops
+    import torch_ext.variables
+
+    stamp = []
+    for package in (torch_ext, torch_ext.variables, torch_ext.hops):
+        for directory, _, files in os.walk(os.path.dirname(package.__file__)):
+            for file in files:
+                if file.endswith(".py"):
+                    path = os.path.join(directory, file)
+                    st = os.stat(path)
+                    stamp.append((path, st.st_mtime_ns, st.st_size))
+    return _package_digest_cached(tuple(sorted(stamp)))

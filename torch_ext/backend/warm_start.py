@@ -1,0 +1,309 @@
+"""Warm start: a new process runs the program `torch_ext.compile` traced before, without Dynamo.
+
+At the first call of a forward compiled with `torch_ext.compile(model, config)` (config.warm_start,
+a cache_dir, torch with AOT compile: compat.HAS_AOT_COMPILE), the call is described by an entry
+key; an entry under that key in `<cache_dir>/warm_start/` is loaded, else the forward is traced
+once through torch's AOT compile (compat.aot_compile) and the entry written for the next process.
+
+What an entry holds: Dynamo's transformed bytecode and its guards (torch's AOTCompiledFunction,
+serialized), the Dynamo graph with its fake example values and the directory key of its pieces
+(warm_graph.SavedGraph: loading runs the backend on that graph again, every piece a disk-cache
+hit), the dim markings of the argument tensors, and the digest of every file Dynamo traced.
+
+The key holds what decides the trace or the pieces' directory: torch/Python/Triton/CUDA versions
+and hardware (environment.py), torch_ext's own source, torch_ext's and Dynamo's config, the
+backend config's artifact hash, the forward (qualified name and its file's digest), the model's
+structure (modules, parameter and buffer shapes/dtypes/devices, plain attributes, training flags),
+and the call: tensor dtypes, devices, ranks, requires_grad, dim markings; Python argument types;
+grad/inference mode and `dynamic`. On load the traced files are checked against their digests,
+the data against its sha256 (cache.py), torch's SystemInfo against this process; every call runs
+the saved code only if the saved guards accept it (shapes, dtypes, module attributes Dynamo read;
+guards on globals are not saved: globals the forward reads are frozen, as under guard-free
+dispatch). Anything else goes through torch.compile, said in one log line.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import logging
+import os
+import pickle
+import time
+import types
+from typing import Any
+
+import torch
+
+import torch_ext
+from torch_ext import compat
+from torch_ext.backend import warm_graph, warm_key
+from torch_ext.backend.cache import ArtifactStore, _file_digest
+from torch_ext.backend.counters import counters
+from torch_ext.backend.environment import process_factors
+
+log = logging.getLogger(__name__)
+
+FORMAT = "torch_ext warm start v1"
+STORE = "warm_start"  # <cache_dir>/warm_start/{artifacts,locks,tmp}: one ArtifactStore
+_IDENTITY_GUARDS = ("CLASS_MATCH", "CLOSURE_MATCH", "FUNCTION_MATCH")
+
+
+def availability(config) -> str | None:
+    """None when warm start is on for this config, else why not."""
+    if config.warm_start is False:
+        return "CompileConfig.warm_start=False"
+    if not config.cache_dir:
+        return "no cache_dir"
+    if not compat.HAS_AOT_COMPILE:
+        return f"torch {torch.__version__} has no AOT compile of Dynamo programs (torch 2.13+ does)"
+    return None
+
+
+def for_forward(model, func, self_arg, backend, dynamic) -> "WarmStart | None":
+    """The WarmStart of a forward compiled by torch_ext.compile, or None when it is off (said once
+    when the config asked for it)."""
+    why_not = availability(backend.config)
+    if why_not is not None:
+        if backend.config.warm_start:
+            log.warning("torch_ext: CompileConfig.warm_start=True, but %s: every process traces %s again.",
+                        why_not, func.__qualname__)
+        return None
+    backend.warm_start_used = True
+    return WarmStart(model, func, self_arg, backend, dynamic)
+
+
+class Program:
+    """A traced program (loaded or just compiled): Dynamo's code, callable without Dynamo."""
+
+    def __init__(self, aot, self_arg):
+        self.aot = aot
+        self.self_arg = self_arg
+        self.function = aot.fn  # the transformed forward; takes `self` first for a method
+        self.graph_inputs = aot._artifacts.compiled_fn.graph_inputs
+
+    def mismatch(self, args: tuple, kwargs: dict) -> str | None:
+        """Why the saved guards refuse this call, or None."""
+        if self.self_arg is not None:
+            args = (self.self_arg,) + args
+        return compat.aot_guard_reason(self.aot, args, kwargs)
+
+    def __call__(self, args: tuple, kwargs: dict):
+        if self.self_arg is not None:
+            return self.function(self.self_arg, *args, **kwargs)
+        return self.function(*args, **kwargs)
+
+
+class WarmStart:
+    """The warm-start entry of one forward: found, loaded or saved at the first call."""
+
+    def __init__(self, model, func, self_arg, backend, dynamic):
+        self.model = model
+        self.func = func
+        self.self_arg = self_arg
+        self.backend = backend
+        self.dynamic = dynamic
+        self.name = func.__qualname__
+        self._said: set[str] = set()
+        self._load_failure: str | None = None  # why the entry found did not load (it is traced once more)
+
+    def say(self, key: str, msg: str, *args, level: int = logging.INFO) -> None:
+        """One log line per kind of event."""
+        if key not in self._said:
+            self._said.add(key)
+            log.log(level, "torch_ext warm start of %s: " + msg, self.name, *args)
+
+    def program(self, args: tuple, kwargs: dict) -> Program | None:
+        """The program for this (first) call: loaded, or traced and saved; None: use torch.compile."""
+        try:
+            name, factors = self.entry_key(args, kwargs)
+            store = ArtifactStore(self.backend.config.cache_dir, STORE)
+        except OSError as e:
+            self.say("store", "cannot use the cache dir (%s); tracing through torch.compile", e,
+                     level=logging.WARNING)
+            return None
+        start = time.perf_counter()
+        found = self._load(store, name)
+        if found is None:
+            with store.lock(name):  # one process traces and saves; the others then load
+                found = self._load(store, name, quiet=True)
+                if found is None:
+                    found = self._compile_and_save(store, name, factors, args, kwargs)
+        if isinstance(found, Program):
+            log.info("torch_ext warm start of %s: ready in %.2f s", self.name, time.perf_counter() - start)
+            return found
+        return None
+
+    # -- the key ------------------------------------------------------------------------------------
+
+    def entry_key(self, args: tuple, kwargs: dict) -> tuple[str, dict[str, str]]:
+        config = self.backend.config
+        devices = {t.device.type for t in warm_key.tensors((args, kwargs))}
+        if isinstance(self.model, torch.nn.Module):
+            devices |= {t.device.type for t in warm_key.module_tensors(self.model)}
+        factors = {
+            "format": FORMAT,
+            "torch_ext": warm_key.package_digest(),
+            "torch_ext_config": repr(torch_ext.config.checkpoint_side_effects),
+            "dynamo_config": warm_key.dynamo_config_digest(),
+            "backend_config": config.artifact_hash(),
+            "forward": f"{self.func.__module__}.{self.func.__qualname__} "
+                       f"{_file_digest(self.func.__code__.co_filename)}",
+            "model": warm_key.model_digest(self.self_arg),
+            "inputs": warm_key.spec((args, kwargs)),
+            "mode": f"grad={torch.is_grad_enabled()} inference={torch.is_inference_mode_enabled()} "
+                    f"dynamic={self.dynamic}",
+            **process_factors(devices, collectives=True),
+        }
+        digest = hashlib.sha256(repr(sorted(factors.items())).encode()).hexdigest()
+        return digest, factors
+
+    # -- load ---------------------------------------------------------------------------------------
+
+    def _load(self, store: ArtifactStore, name: str, quiet: bool = False):
+        """A Program, "refused" (this forward cannot be warm-started: use torch.compile), or None
+        (nothing usable saved: trace it)."""
+        blob = store.read(name)  # a damaged entry is reported and set aside there
+        if blob is None:
+            if not quiet:
+                self.say("missing", "no saved program for this model, config and call; tracing it once "
+                         "(saved in %s)", store.directory)
+            return None
+        try:
+            entry = pickle.loads(blob)
+            if entry.get("format") != FORMAT:
+                raise ValueError(f"format {entry.get('format')!r}")
+        except Exception as e:
+            store.discard(name, f"cannot be read: {type(e).__name__}: {e}")
+            return None
+        if "refused" in entry:
+            self.say("refused", "a previous trace could not be saved (%s); it goes through torch.compile. "
+                     "Remove %s to try again.", entry["refused"], store.path(name))
+            return "refused"
+        changed = [path for path, digest in entry["sources"].items() if _file_digest(path) != digest]
+        if changed:
+            self.say("changed", "%s changed since the program was saved; tracing it again", changed[0])
+            return None
+        if entry.get("cpu_vec_isa") is not None:  # the pieces' C++ kernels: skip Inductor's ISA probe
+            compat.prime_cpu_vec_isa(entry["cpu_vec_isa"])
+        token = warm_graph.loading_backend.set(self.backend)
+        try:
+            aliases = {name: importlib.import_module(module) for name, module in entry["module_aliases"].items()}
+            aot = compat.aot_deserialize(entry["aot"], {**self.func.__globals__, **aliases}, entry["marks"],
+                                         self._external())
+            program = Program(aot, self.self_arg)
+        except Exception as e:
+            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            store.discard(name, f"cannot be loaded: {reason}")
+            if entry.get("retraced_after"):  # traced again once already: torch cannot load what it saves here
+                _write(store, name, {"format": FORMAT, "refused": f"saved programs do not load ({reason})"})
+                return "refused"
+            self._load_failure = reason
+            return None
+        finally:
+            warm_graph.loading_backend.reset(token)
+        counters.warm_start_loads += 1
+        return program
+
+    # -- trace and save -----------------------------------------------------------------------------
+
+    def _external(self) -> dict[str, Any]:
+        """What the entry refers to instead of holding: the contents of the forward's closure (a
+        decorated forward holds the undecorated function, which pickle cannot name). The next process
+        has them from the same source (its digest is checked)."""
+        return {f"closure {i}": cell.cell_contents for i, cell in enumerate(self.func.__closure__ or ())}
+
+    def _guard_filter(self, entries) -> list[bool]:
+        """Which of Dynamo's guards the entry keeps. Guards on globals go (they cannot be saved: the
+        globals a forward reads are frozen, as under guard-free dispatch). So do guards on the
+        identity of a class, function or code object reached from the model (its submodules' classes,
+        their methods, closures of a decorated forward): in another process these are new objects
+        made from the same source, which the entry checks instead (traced files' digests; the classes
+        of the model's modules are in the key); guards on the forward's closure (the function a
+        decorator wraps, its defaults) go for the same reason. Such a guard on an argument stays: passing another
+        function must not run the saved code; it cannot be saved, so the entry is refused."""
+        params = list(inspect.signature(self.func, follow_wrapped=False).parameters)
+        arguments = params[1:] if self.self_arg is not None else params
+        closure = list(self.func.__code__.co_freevars)  # a decorator's cells: the function it wraps
+        keep = []
+        for e in entries:
+            identity = e.guard_type in _IDENTITY_GUARDS or (e.guard_type == "CONSTANT_MATCH" and e.has_value
+                                                             and isinstance(e.value, types.CodeType))
+            keep.append(not e.is_global and not (identity and not warm_key.rooted_at(e.name, arguments))
+                        and not warm_key.rooted_at(e.name, closure))
+        return keep
+
+    def _compile_and_save(self, store: ArtifactStore, name: str, factors: dict, args: tuple, kwargs: dict):
+        try:
+            aot, traced = compat.aot_compile(self.func, self.self_arg, args, kwargs,
+                                             warm_graph.backend_for_save(self.backend), dynamic=self.dynamic,
+                                             guard_filter=self._guard_filter)
+        except Exception as e:
+            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            self.say("refused", "cannot trace it for a warm start (%s); it goes through torch.compile", reason)
+            _write(store, name, {"format": FORMAT, "factors": factors, "refused": reason})
+            return "refused"
+        if self.backend.config.cudagraph_mode != "none":
+            from torch_ext.backend.dispatch import buffer_assignments
+
+            if buffer_assignments(compat.aot_transformed_code(aot)):
+                return "refused"  # torch.compile's bytecode hook raises the error that shows the store
+        program = Program(aot, self.self_arg)
+        arguments = inspect.signature(self.func, follow_wrapped=False).bind(*(((self.self_arg,) if self.self_arg is not None else ())
+                                                       + args), **kwargs).arguments
+        sources = {path: _file_digest(path) for path in set(compat.aot_traced_files(traced)) if os.path.exists(path)}
+        try:
+            entry = {"format": FORMAT, "factors": factors, "sources": sources, "cpu_vec_isa": compat.cpu_vec_isa_names(),
+                     "retraced_after": self._load_failure,
+                     "module_aliases": compat.aot_module_aliases(aot, self.func.__globals__),
+                     "marks": warm_graph.tensor_marks(arguments), "aot": compat.aot_serialize(aot, self._external())}
+        except Exception as e:  # the program runs here; the next process traces again
+            self.say("unsaved", "the traced program cannot be saved (%s: %s); the next process traces it again",
+                     type(e).__name__, e, level=logging.WARNING)
+            return program
+        if _write(store, name, entry):
+            counters.warm_start_saves += 1
+        return program
+
+
+def _write(store: ArtifactStore, name: str, entry: dict) -> bool:
+    try:
+        store.write(name, pickle.dumps(entry))
+        return True
+    except OSError as e:
+        log.warning("torch_ext warm start: cannot write %s (%s)", store.path(name), e)
+        return False
+
+
+class WarmStartModule:
+    """torch_ext.compile's result with warm start (without guard-free dispatch): calls the saved or
+    just traced program where its guards accept the call, else the torch.compile'd model."""
+
+    def __init__(self, model, compiled, warm: WarmStart):
+        self.model = model
+        self.compiled = compiled  # torch.compile(model, backend=...): traces on its first call only
+        self.warm = warm
+        self.program_: Program | None = None
+        self._tried = False
+
+    def __repr__(self) -> str:
+        return f"WarmStartModule({self.warm.name}, {'program ready' if self.program_ else 'no program'})"
+
+    def __call__(self, *args, **kwargs):
+        if not self._tried:
+            self._tried = True
+            self.program_ = self.warm.program(args, kwargs)
+        program = self.program_
+        if program is not None:
+            reason = program.mismatch(args, kwargs)
+            if reason is None:
+                return program(args, kwargs)
+            counters.warm_start_fallbacks += 1
+            self.warm.say("mismatch", "a call the saved program was not traced for (%s) goes through "
+                          "torch.compile (said once)", reason)
+        return self.compiled(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # reach the module's attributes, as OptimizedModule does
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
