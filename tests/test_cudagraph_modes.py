@@ -84,3 +84,19 @@ def test_full_cudagraph_max_size_is_checked():
         CompileConfig(cudagraph_mode="full_and_piecewise", cudagraph_capture_sizes=(8, 16), full_cudagraph_max_size=4)
     with pytest.raises(ConfigError, match="full_cudagraph_max_size.*positive int"):
         CompileConfig(cudagraph_mode="full_and_piecewise", cudagraph_capture_sizes=(8,), full_cudagraph_max_size=0)
+
+
+def test_sizes_no_batch_can_reach_are_said_once(fx_pieces, caplog):
+    """A batch bounded by mark_dynamic(max=16): compile size 64 and capture sizes 32, 64 are never
+    used (16 pads to 16); 16 itself is used. Said once per field, not per graph."""
+    be = backend(compile_sizes=(4, 64), cudagraph_capture_sizes=(8, 16, 32, 64))
+    compiled = torch.compile(lambda x: (x * 2).sum(-1), backend=be)
+    with caplog.at_level("WARNING", logger="torch_ext.backend"):
+        for n in (8, 12):
+            x = torch.randn(n, 3)
+            torch._dynamo.mark_dynamic(x, 0, min=2, max=16)
+            torch.testing.assert_close(compiled(x), (x * 2).sum(-1))
+    said = [r.getMessage() for r in caplog.records if "never used" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "compile_sizes [64] are never used" in said[0] and "up to 16" in said[0]
+    assert "cudagraph_capture_sizes [32, 64] are never used" in said[1]

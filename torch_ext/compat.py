@@ -254,6 +254,18 @@ def no_modes_or_autocast_active() -> bool:
     return not (a() or b() or c() or d())
 
 
+def symbol_upper_bound(size: torch.SymInt) -> int | None:
+    """The largest value Dynamo's shape env allows for a symbolic size (mark_dynamic(max=...),
+    torch._check), or None when unbounded. `var_to_range` holds it on 2.9.1 through 2.14.1."""
+    node = size.node
+    bounds = node.shape_env.var_to_range.get(node.expr)
+    upper = getattr(bounds, "upper", None)
+    try:
+        return int(upper) if upper is not None and upper.is_finite else None
+    except (TypeError, AttributeError):
+        return None
+
+
 # --- Python floats Dynamo left symbolic (backend/backend.py) -------------------------------------
 
 def floats_to_specialize(example_inputs) -> list[str]:

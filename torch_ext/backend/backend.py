@@ -23,7 +23,7 @@ from torch_ext.backend.cudagraph import CudaGraphManager
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.counters import counters
 from torch_ext.backend.environment import environment_factors
-from torch_ext.backend.piecewise import batch_symbol
+from torch_ext.backend.piecewise import batch_size_of, batch_symbol
 from torch_ext.backend.split import (INLINABLE_HOPS, SplitGraph, SplittingOpMatcher, hop_name, split_graph,
                                      unmatched_splitting_ops)
 
@@ -81,6 +81,7 @@ class TorchExtBackend:
         group = PieceGroup(f"graph {index}", self.config, self.builder, store, batch_symbol(gm))
         split = split_graph(gm, self.matcher, self.config.hop_split)
         self._say_unmatched(gm, index)
+        self._say_unreachable_sizes(gm, index)
         graph_info = None
         if self.cudagraphs is not None:
             graph_info = self.cudagraphs.prepare(gm, self.matcher, f"graph {index}")
@@ -113,6 +114,23 @@ class TorchExtBackend:
             hint = f"; calls in the graph with the nearest names: {', '.join(nearest)}" if nearest else ""
             log.warning("torch_ext: splitting op %s matches no call in graph %d, so the graph is not split "
                         "there%s (README, Backend: which names match).", name, index, hint)
+
+    def _say_unreachable_sizes(self, gm: fx.GraphModule, index: int) -> None:
+        """Sizes no batch the graph accepts can reach (its batch has an upper bound from
+        mark_dynamic(max=...) or torch._check): said once per kind."""
+        size = batch_size_of(gm)
+        upper = compat.symbol_upper_bound(size) if size is not None else None
+        if upper is None:
+            return
+        capture = self.config.cudagraph_capture_sizes
+        never = {"compile_sizes": [n for n in self.config.compile_sizes if n > upper],
+                 # a capture size serves the batches above the one before it (they pad up to it)
+                 "cudagraph_capture_sizes": [n for i, n in enumerate(capture) if i > 0 and capture[i - 1] >= upper]}
+        for field, above in never.items():
+            if above and field not in self._said_unmatched:
+                self._said_unmatched.add(field)
+                log.warning("torch_ext: %s %s are never used: graph %d accepts batches up to %d (its shape "
+                            "constraints). Drop them, or raise the bound.", field, above, index, upper)
 
     def _store(self, gm: fx.GraphModule, key: str | None = None) -> ArtifactStore | None:
         if not self.config.cache_dir:

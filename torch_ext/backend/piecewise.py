@@ -45,6 +45,17 @@ def batch_symbol(gm: fx.GraphModule):
     return None
 
 
+def batch_size_of(gm: fx.GraphModule) -> torch.SymInt | None:
+    """The SymInt whose symbol is batch_symbol(gm) (for its bounds), or None."""
+    symbol = batch_symbol(gm)
+    for v in example_inputs_of(gm):
+        sizes = v.shape if isinstance(v, torch.Tensor) else (v,) if isinstance(v, torch.SymInt) else ()
+        for size in sizes:
+            if isinstance(size, torch.SymInt) and size.node.expr == symbol:
+                return size
+    return None
+
+
 def free_symbols(values: list[Any]) -> set:
     out: set = set()
 
