@@ -74,7 +74,8 @@ def test_static_cache_decode_through_torch_ext_matches_eager_and_generate(reques
     if arch != "llama":
         request.getfixturevalue("fx_pieces")
     model = hf.build(arch).eval()
-    compiled = torch_ext.compile(model, CompileConfig(splitting_ops=[SDPA], cache_dir=None, guard_free_dispatch=True))
+    config = CompileConfig(splitting_ops=[SDPA], cache_dir=None, guard_free_dispatch=True)
+    compiled = torch_ext.compile(model, config, dynamic=False)  # as README recommends for a StaticCache
     decode_matches_eager(model, compiled)
     # The write position is a tensor (StaticCache's cumulative_length): one graph serves every step,
     # and after the first, steps run Dynamo's code without its guards.
@@ -83,17 +84,24 @@ def test_static_cache_decode_through_torch_ext_matches_eager_and_generate(reques
         assert counters.inductor_compiles == counters.unique_pieces == hf.LAYERS + 1
 
 
-@pytest.mark.parametrize("mode", ["full", "piecewise"])
-def test_static_cache_decode_under_simulated_cuda_graphs(fx_pieces, mode):
+@pytest.mark.filterwarnings("ignore::torch_ext.backend.dispatch.GuardFreeDispatchWarning")  # a new batch size
+@pytest.mark.parametrize("mode,split", [("full", False), ("full", True), ("piecewise", True)],
+                         ids=["full", "full_split", "piecewise"])
+def test_static_cache_decode_under_simulated_cuda_graphs(fx_pieces, mode, split):
     """The StaticCache tensors written in place (keys, values, cumulative_length) are read where
-    they are by the captured graphs; replays produce eager's logits and caches."""
+    they are by the captured graphs; replays produce eager's logits and caches. Two batch sizes,
+    each with its own cache, through one compiled model: one graph each (dynamic=False)."""
     model = hf.build("llama").eval()
-    config = CompileConfig(splitting_ops=[SDPA], cache_dir=None, guard_free_dispatch=True, cudagraph_mode=mode)
+    config = CompileConfig(splitting_ops=[SDPA] if split else [], cache_dir=None, guard_free_dispatch=True,
+                           cudagraph_mode=mode)
     backend = make_backend(config)
     backend.cudagraphs = cm.SimulatedCudaGraphs(config)
-    decode_matches_eager(model, GuardFreeDispatcher(model, backend))
-    # One warm-up step, one capturing step, then replays.
-    assert cudagraph_stats.captures >= 1 and cudagraph_stats.replays >= STEPS - 2
+    compiled = GuardFreeDispatcher(model, backend, dynamic=False)
+    for batch in (2, 3):
+        decode_matches_eager(model, compiled, batch)
+    assert (counters.graphs_seen, compiled.calls, len(compiled.signatures)) == (2, 2, 2)
+    # Per batch size: one warm-up step, one capturing step, then replays.
+    assert cudagraph_stats.captures >= 2 and cudagraph_stats.replays >= 2 * (STEPS - 2)
 
 
 @pytest.mark.parametrize("arch", list(hf.ARCHS))
