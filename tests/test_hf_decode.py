@@ -20,7 +20,6 @@ import cudagraph_models as cm
 import hf_models as hf
 import torch_ext
 from torch_ext.backend import CompileConfig, counters, make_backend
-from torch_ext.backend.cudagraph import cudagraph_stats
 from torch_ext.backend.dispatch import GuardFreeDispatcher
 
 SDPA = "aten::scaled_dot_product_attention"
@@ -91,6 +90,7 @@ def test_static_cache_decode_under_simulated_cuda_graphs(fx_pieces, mode, split)
     """The StaticCache tensors written in place (keys, values, cumulative_length) are read where
     they are by the captured graphs; replays produce eager's logits and caches. Two batch sizes,
     each with its own cache, through one compiled model: one graph each (dynamic=False)."""
+    cm.cudagraph_stats.reset()
     model = hf.build("llama").eval()
     config = CompileConfig(splitting_ops=[SDPA] if split else [], cache_dir=None, guard_free_dispatch=True,
                            cudagraph_mode=mode)
@@ -101,7 +101,7 @@ def test_static_cache_decode_under_simulated_cuda_graphs(fx_pieces, mode, split)
         decode_matches_eager(model, compiled, batch)
     assert (counters.graphs_seen, compiled.calls, len(compiled.signatures)) == (2, 2, 2)
     # Per batch size: one warm-up step, one capturing step, then replays.
-    assert cudagraph_stats.captures >= 2 and cudagraph_stats.replays >= 2 * (STEPS - 2)
+    assert cm.cudagraph_stats.captures >= 2 and cm.cudagraph_stats.replays >= 2 * (STEPS - 2)
 
 
 @pytest.mark.parametrize("arch", list(hf.ARCHS))
