@@ -3,6 +3,8 @@
 No torch_ext code is involved: each test shows torch's own result beside eager. They are strict
 xfails, so a torch release that fixes one turns its test red and we drop the workaround.
 """
+import types
+
 import pytest
 import torch
 import torch._inductor.config
@@ -88,3 +90,40 @@ def test_aot_eager_chained_region_gradients():
                    "'fake_mode should be enabled for HOPs'")
 def test_eager_backend_region_backward():
     _grad_error(chained_calls, "eager")
+
+
+class Linear8(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.lin(x).relu()
+
+
+def per_instance_regions(count: int = 2):
+    """Layers made regions per instance, as one does for a model's layers without changing their class."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(Linear8() for _ in range(count))
+    region = torch.compiler.nested_compile_region(Linear8.forward)
+    for layer in layers:
+        layer.forward = types.MethodType(region, layer)
+
+    def stack(x):
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    return stack
+
+
+@pytest.mark.xfail(compat.REGION_REUSE_BINDS_FIRST_INSTANCE, strict=True, raises=AssertionError,
+                   reason="torch 2.13, 2.14: a region bound per module instance runs every instance with the "
+                   "first instance's parameters")
+def test_region_bound_per_instance_uses_each_instance_parameters():
+    stack = per_instance_regions()
+    x = torch.randn(2, 8)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(stack, backend="eager", fullgraph=True)(x)
+        assert (compiled - stack(x)).abs().max().item() < 1e-6

@@ -15,7 +15,7 @@ import torch_ext
 from torch_ext import compat, workarounds
 from torch_ext.testing import check_matches_eager
 
-from test_torch_bugs import chained_calls, two_calls_product
+from test_torch_bugs import chained_calls, per_instance_regions, two_calls_product
 
 BACKENDS = ("eager", "aot_eager", "inductor")
 
@@ -54,6 +54,11 @@ def _inputs(length: int):
 @pytest.mark.parametrize("length", [2, 4, 8])
 def test_region_chains_match_eager(installed, chain, length):
     check_matches_eager(chain, *_inputs(length), backends=BACKENDS, atol=1e-4, rtol=1e-4)
+
+
+def test_regions_bound_per_instance_match_eager(installed):
+    """torch_ext lifts each call's own parameters (torch 2.13+ alone reuses the first instance's)."""
+    check_matches_eager(per_instance_regions(3), torch.randn(2, 8, requires_grad=True), backends=("eager", "aot_eager"))
 
 
 @pytest.mark.parametrize("program", [two_calls_product, chained_calls])

@@ -77,6 +77,11 @@ BACKWARD_CACHE_IGNORES_TANGENT_ALIASING = TORCH_VERSION < (2, 10)
 # invoke_subgraph's backward traces a graph, so it needs fake tensors: under backend="eager" a region
 # needing gradients fails ("fake_mode should be enabled for HOPs"); 2.14 runs such calls itself.
 EAGER_REGION_BACKWARD_NEEDS_FAKE_MODE = TORCH_VERSION < (2, 14)
+# A region bound per instance (`layer.forward = MethodType(nested_compile_region(cls.forward), layer)`)
+# and called for two instances: torch's subgraph reuse (keyed on the code) passes the first instance's
+# parameters to every later call: wrong outputs (2.13, 2.14.1; 2.9.1 is right; 2.10-2.12 untested).
+# torch_ext's region tracing lifts each call's own parameters.
+REGION_REUSE_BINDS_FIRST_INSTANCE = TORCH_VERSION >= (2, 13)
 
 # torch's own VariableTrackers that ours extend (we keep their subgraph installation and naming).
 WrapHigherOrderVariable = _hops.WrapHigherOrderVariable
