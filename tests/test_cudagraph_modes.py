@@ -1,16 +1,19 @@
-"""cudagraph_mode="full_and_piecewise": full graphs where they serve a call, piecewise graphs
-otherwise. Runs on the CPU with simulated graphs (tests/cudagraph_models.py), like test_cudagraph.py."""
+"""cudagraph_mode="full_and_piecewise" (full graphs where they serve a call, piecewise graphs
+otherwise), sizes no batch can reach, pieces with expanded outputs. Runs on the CPU with simulated
+graphs (tests/cudagraph_models.py), like test_cudagraph.py."""
 from __future__ import annotations
 
 import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import cudagraph_models as cm
 from test_cudagraph import backend, fresh_stats, fx_pieces, run_against_eager  # noqa: F401 (fixtures)
-from torch_ext.backend import CompileConfig, ConfigError
+from torch_ext.backend import CompileConfig, ConfigError, make_backend
 from torch_ext.backend.cudagraph import CudaGraphCaptureError, cudagraph_stats
+from torch_ext.hops.splitting_op import splitting_op
 
 
 def full_and_piecewise(**kwargs):
@@ -100,3 +103,39 @@ def test_sizes_no_batch_can_reach_are_said_once(fx_pieces, caplog):
     assert len(said) == 2, said
     assert "compile_sizes [64] are never used" in said[0] and "up to 16" in said[0]
     assert "cudagraph_capture_sizes [32, 64] are never used" in said[1]
+
+
+@splitting_op("torch_ext_cgm::masked_scale", fake=lambda h, mask: torch.empty_like(h))
+def masked_scale(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return h * mask.sum(-1, keepdim=True)
+
+
+class MaskedModel(nn.Module):
+    """Its first piece returns a mask expanded over the batch (stride 0), as HF models build theirs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        mask = (self.lin.weight[:1, :4] > 0).float().expand(x.shape[0], 4)
+        return self.lin(torch.ops.torch_ext_cgm.masked_scale(self.lin(x), mask))
+
+
+def test_a_piece_returning_an_expanded_tensor_is_captured(fx_pieces):
+    model = MaskedModel()
+    cfg = CompileConfig(splitting_ops=("torch_ext_cgm::masked_scale",), cache_dir=None, cudagraph_mode="piecewise",
+                        cudagraph_capture_sizes=(2, 4, 8))
+    be = make_backend(cfg)
+    be.cudagraphs = cm.SimulatedCudaGraphs(cfg)
+    compiled = torch.compile(model, backend=be)
+    with torch.no_grad():
+        for i, n in enumerate([3, 3, 3, 5, 5, 5, 3]):
+            x = torch.randn(n, 8)
+            if i == 0:
+                torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x), model(x), msg=f"batch {n}")
+    first = [r for r in be.cudagraphs.runners() if r.name.endswith("submod_0")]
+    assert first and first[0].capturable, first[0].reason
+    assert ("graph 0/submod_0", 4) in be.cudagraphs.captured and ("graph 0/submod_0", 8) in be.cudagraphs.captured

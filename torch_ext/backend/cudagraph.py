@@ -257,7 +257,7 @@ class CudaGraphManager:
 
     def _output_specs(self, values: list, symbol):
         try:
-            return [spec_of(v, symbol, f"output {k}") for k, v in enumerate(values)], None
+            return [spec_of(v, symbol, f"output {k}", output=True) for k, v in enumerate(values)], None
         except NotCapturable as e:
             return [], f"an output: {e}"
 

@@ -55,7 +55,10 @@ class Spec:
         return [size_at(s, symbol, n) for s in self.stride]
 
 
-def spec_of(value: Any, symbol, name: str) -> Spec:
+def spec_of(value: Any, symbol, name: str, output: bool = False) -> Spec:
+    """The spec of a region's input, or of its output (`output`): an output may be expanded (stride 0,
+    e.g. an attention mask broadcast over the batch): the graph's output tensor is only sliced, while
+    an input would need a copy into a static buffer, which an expanded tensor cannot take."""
     if isinstance(value, torch.Tensor):
         shape = tuple(_expr(s, symbol) for s in value.shape)
         stride = tuple(_expr(s, symbol) for s in value.stride())
@@ -66,8 +69,8 @@ def spec_of(value: Any, symbol, name: str) -> Spec:
             if s != symbol:
                 raise NotCapturable(f"dim {d} has size {s}: only dims of exactly the batch size can be padded")
             batch_dims.append(d)
-        if any(isinstance(st, int) and st == 0 and not (isinstance(sz, int) and sz <= 1)
-               for sz, st in zip(shape, stride)):
+        if not output and any(isinstance(st, int) and st == 0 and not (isinstance(sz, int) and sz <= 1)
+                              for sz, st in zip(shape, stride)):
             raise NotCapturable("it is an expanded tensor (stride 0)")
         return Spec(TENSOR, name, shape, stride, tuple(batch_dims), value.dtype)
     if isinstance(value, torch.SymInt):
