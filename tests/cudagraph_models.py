@@ -101,6 +101,19 @@ class TinyDecoder(nn.Module):
         return make(), make()
 
 
+class AssignsBuffer(TinyDecoder):
+    """Assigns a module buffer in forward: refused under CUDA graphs (graphs read buffers in place)."""
+
+    def __init__(self):
+        super().__init__(layers=1)
+        self.register_buffer("last", torch.zeros(D_MODEL))
+
+    def forward(self, x, k_caches, v_caches, pos):
+        out = super().forward(x, k_caches, v_caches, pos)
+        self.last = out[0].detach()  # a new tensor each call: graphs would keep reading the old one
+        return out
+
+
 SPLITTING_OPS = ("torch_ext_cg::decode_attention", "torch_ext_cg::decode_attention_into",
                  "torch_ext_cg::decode_attention_into_inference", "torch_ext_cg::decode_attention_checked")
 

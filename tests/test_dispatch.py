@@ -101,17 +101,6 @@ def test_plain_functions_and_the_default_path():
     assert isinstance(not_guard_free, torch._dynamo.eval_frame.OptimizedModule)
 
 
-class AssignsBuffer(cm.TinyDecoder):
-    def __init__(self):
-        super().__init__(layers=1)
-        self.register_buffer("last", torch.zeros(cm.D_MODEL))
-
-    def forward(self, x, k_caches, v_caches, pos):
-        out = super().forward(x, k_caches, v_caches, pos)
-        self.last = out[0].detach()  # a new tensor each call: graphs would keep reading the old one
-        return out
-
-
 def _call(compiled, model):
     k, v = model.caches()
     x = torch.randn(3, cm.D_MODEL)
@@ -122,7 +111,7 @@ def _call(compiled, model):
 
 @pytest.mark.filterwarnings("ignore:torch_ext. cudagraph_mode")
 def test_buffer_assignment_with_cuda_graphs_shows_the_offending_code():
-    model = AssignsBuffer()
+    model = cm.AssignsBuffer()
     compiled = torch_ext.backend.dispatch.compile(model, config(cudagraph_mode="piecewise"))
     with pytest.raises(CudaGraphBufferMutationError, match=r"(?s)assigns module buffers.*>>> [^\n]*_buffers[^\n]*\.update\("):
         _call(compiled, model)
@@ -133,7 +122,7 @@ def test_buffer_assignment_with_cuda_graphs_shows_the_offending_code():
         _call(plain, model)
     # Without CUDA graphs the assignment is fine.
     torch._dynamo.reset()
-    model = AssignsBuffer()
+    model = cm.AssignsBuffer()
     _call(torch_ext.backend.dispatch.compile(model, config()), model)
 
 
@@ -155,5 +144,5 @@ def test_an_aborted_compile_leaves_no_check_behind():
     with pytest.raises(Exception, match="mutates the module buffer"):
         _call(torch.compile(model, backend=torch_ext.backend(config(cudagraph_mode="piecewise"))), model)
     torch._dynamo.reset()
-    model = AssignsBuffer()  # assigning a buffer is fine without CUDA graphs
+    model = cm.AssignsBuffer()  # assigning a buffer is fine without CUDA graphs
     _call(torch.compile(model, backend=torch_ext.backend(config())), model)

@@ -60,19 +60,8 @@ def test_serving_config_loads_without_tracing_and_runs_every_size(tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-class AssignsBuffer(cm.TinyDecoder):
-    def __init__(self):
-        super().__init__(layers=1)
-        self.register_buffer("last", torch.zeros(cm.D_MODEL))
-
-    def forward(self, x, k_caches, v_caches, pos):
-        out = super().forward(x, k_caches, v_caches, pos)
-        self.last = out[0].detach()  # a new tensor each call: graphs would keep reading the old one
-        return out
-
-
 def test_buffer_assignment_under_cuda_graphs_is_still_refused(tmp_path):
-    model = AssignsBuffer()
+    model = cm.AssignsBuffer()
     k, v = model.caches()
     x = torch.randn(3, cm.D_MODEL)
     torch._dynamo.mark_dynamic(x, 0)
