@@ -148,10 +148,8 @@ class CudaGraphManager:
             log.info(msg, *args)
 
     def warn_cpu_once(self) -> None:
-        if ("cpu",) not in self._noted:
-            self._noted.add(("cpu",))
-            warnings.warn(f"torch_ext: cudagraph_mode={self.mode!r} but the inputs are not on a CUDA device "
-                          "(or CUDA is unavailable): the compiled pieces run without CUDA graphs.", stacklevel=3)
+        self.warn_once(("cpu",), f"torch_ext: cudagraph_mode={self.mode!r} but the inputs are not on a CUDA device "
+                       "(or CUDA is unavailable): the compiled pieces run without CUDA graphs.")
 
     # -- analysis of the Dynamo graph ---------------------------------------------------------------
 
