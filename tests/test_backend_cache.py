@@ -14,12 +14,12 @@ import time
 import pytest
 import torch
 
-from torch_ext.backend import environment
 from torch_ext.backend.environment import environment_factors
 
 import backend_models as bm
 from torch_ext.backend import CompileConfig, UnsafeCacheDirError, counters, make_backend
 from torch_ext.backend import cache as cache_mod
+from torch_ext.backend import environment, inductor_keys
 
 WORKER = os.path.join(os.path.dirname(__file__), "backend_worker.py")
 # 3 layers -> 3 unique pieces; general + size 4 -> 6 artifacts.
@@ -33,8 +33,15 @@ def run_worker(cache_dir, *extra, timeout=300):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def model_dirs(cache_dir):
+    """The pieces' directories, one per model key."""
+    return sorted(p for p in glob.glob(os.path.join(str(cache_dir), "*")) if os.path.basename(p) != inductor_keys.STORE)
+
+
 def artifacts(cache_dir):
-    return sorted(glob.glob(os.path.join(str(cache_dir), "*", "artifacts", "*.bin")))
+    """The pieces' artifacts (not Inductor's saved torch_key: inductor_keys.py)."""
+    found = glob.glob(os.path.join(str(cache_dir), "*", "artifacts", "*.bin"))
+    return sorted(p for p in found if os.path.basename(os.path.dirname(os.path.dirname(p))) != inductor_keys.STORE)
 
 
 def test_pack_unpack_roundtrip_and_damage():
@@ -59,7 +66,7 @@ def test_second_process_loads_everything_and_compiles_nothing(tmp_path):
     assert warm["counters"]["inductor_compiles"] == 0
     assert warm["counters"]["cache_hits"] == UNIQUE_VARIANTS
     assert warm["counters"]["cache_damaged"] == 0
-    assert len(glob.glob(str(tmp_path / "*"))) == 1  # one model key for both processes
+    assert len(model_dirs(tmp_path)) == 1  # one model key for both processes
 
 
 def test_four_processes_compile_into_one_fresh_cache(tmp_path):
@@ -90,7 +97,7 @@ def test_writer_killed_mid_write_leaves_no_entry_and_no_stuck_lock(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "HANGING", proc.stderr.read()[-3000:]
-        (model_dir,) = glob.glob(str(tmp_path / "*"))
+        (model_dir,) = model_dirs(tmp_path)
         assert os.listdir(os.path.join(model_dir, "tmp"))  # the full artifact bytes, not yet renamed
     finally:
         proc.send_signal(signal.SIGKILL)
@@ -172,7 +179,7 @@ def test_world_writable_cache_dir_is_refused(tmp_path):
 
 def test_group_writable_model_dir_is_refused(tmp_path):
     _compile_and_check(tmp_path, sizes=(4,))
-    (model_dir,) = glob.glob(str(tmp_path / "*"))
+    (model_dir,) = model_dirs(tmp_path)
     os.chmod(model_dir, 0o770)
     counters.reset()
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="writable by its group"):
@@ -193,14 +200,14 @@ def test_cache_off_writes_nothing(tmp_path, monkeypatch):
 def test_same_model_and_config_share_a_directory_and_changes_do_not(tmp_path):
     _compile_and_check(tmp_path, sizes=(4,))
     _compile_and_check(tmp_path, sizes=(4,))
-    assert len(glob.glob(str(tmp_path / "*"))) == 1
+    assert len(model_dirs(tmp_path)) == 1
     torch._dynamo.reset()
     cfg = CompileConfig(splitting_ops=["torch_ext_test::attention"], cache_dir=str(tmp_path),
                         inductor_options={"max_autotune_pointwise": False})
     model = bm.Decoder(layers=3)
     with torch.no_grad():
         torch.compile(model, backend=make_backend(cfg))(bm.batch(4, dynamic=True), model.caches())
-    assert len(glob.glob(str(tmp_path / "*"))) == 2
+    assert len(model_dirs(tmp_path)) == 2
 
 
 def test_model_key_hashes_traced_sources(tmp_path):

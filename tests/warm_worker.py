@@ -4,6 +4,7 @@ own frame count, the outputs).
 
     python tests/warm_worker.py CACHE_DIR [--layers N] [--sizes 4,6] [--guard-free] [--fx-pieces] [--no-warm]
                                           [--barrier DIR --parties N] [--hang-before-commit]
+                                          [--compile-sizes 9]
 
 --fx-pieces: pieces run as FX graphs (no Inductor: fast; they are not cached on disk).
 --barrier/--parties: wait until N workers reach the first call, so they start together.
@@ -36,7 +37,14 @@ def main() -> None:
     parser.add_argument("--barrier", default=None)
     parser.add_argument("--parties", type=int, default=1)
     parser.add_argument("--hang-before-commit", action="store_true")
+    parser.add_argument("--compile-sizes", default="", help="CompileConfig.compile_sizes, comma-separated")
     args = parser.parse_args()
+
+    from torch._inductor import codecache
+
+    hashed_torch = []  # whether Inductor hashed torch's sources here (inductor_keys primes its key)
+    real_hash = codecache.build_code_hash
+    codecache.build_code_hash = lambda *a, **k: (hashed_torch.append(1), real_hash(*a, **k))[1]
 
     if args.fx_pieces:
         from torch_ext.backend.compiler import InductorCompiler
@@ -58,7 +66,8 @@ def main() -> None:
 
     cfg = CompileConfig(splitting_ops=["torch_ext_test::attention"], cache_dir=args.cache_dir,
                         guard_free_dispatch=args.guard_free, progress_bar=False,
-                        warm_start=False if args.no_warm else None)
+                        warm_start=False if args.no_warm else None,
+                        compile_sizes=[int(n) for n in args.compile_sizes.split(",") if n])
     model = bm.Decoder(layers=args.layers)
     compiled = torch_ext.compile(model, cfg)
     if args.barrier:
@@ -79,7 +88,8 @@ def main() -> None:
                     *((a - b).abs().max().item() for a, b in zip(compiled_caches, eager_caches)))
     frames = dict(torch._dynamo.utils.counters["frames"])
     print(json.dumps({"pid": os.getpid(), "max_error": worst, "counters": counters.snapshot(),
-                      "dynamo_frames": frames, "outputs": outputs}))
+                      "dynamo_frames": frames, "outputs": outputs,
+                      "hashed_torch_sources": bool(hashed_torch)}))
     sys.stdout.flush()
 
 

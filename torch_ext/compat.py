@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import traceback
 import warnings
 from typing import Any
 
@@ -490,6 +491,11 @@ def aot_module_aliases(compiled, f_globals: dict) -> dict[str, str]:
     return out
 
 
+def aot_backend_result(compiled):
+    """What the backend returned for the program of an AOTCompiledFunction (2.13-2.14)."""
+    return compiled._artifacts.compiled_fn
+
+
 def aot_transformed_code(compiled):
     """Dynamo's transformed bytecode of an AOTCompiledFunction."""
     return compiled._artifacts.runtime_env.bytecode
@@ -523,11 +529,9 @@ def _aot_deserialize(aot, data, f_globals, marks, external, SerializedCode, load
     state = unpickler.load()
     state["runtime_env"] = dataclasses.replace(
         state["runtime_env"], bytecode=SerializedCode.to_code_object(state["runtime_env"].bytecode))
-    deserializer, compiled_fn_state = state["compiled_fn"]
-    with torch._inductor.config.patch(enable_autograd_for_aot=True):
-        state["compiled_fn"] = deserializer(compiled_fn_state)
     state["original_code"] = SerializedCode.to_code_object(state["original_code"])
-    guards_state = load_guards_state(state["guards_state"])
+    with _fake_modes_without_stacks():  # one FakeTensorMode per saved tensor guard
+        guards_state = load_guards_state(state["guards_state"])
     scope = guards_state.output_graph.local_scope
     for path, attrs in marks.items():
         value = scope
@@ -537,12 +541,38 @@ def _aot_deserialize(aot, data, f_globals, marks, external, SerializedCode, load
         if isinstance(value, torch.Tensor):  # else the guards refuse such a marked argument: Dynamo runs
             for name, attr in attrs.items():
                 setattr(value, name, attr)
+    deserializer, compiled_fn_state = state["compiled_fn"]
+    with torch._inductor.config.patch(enable_autograd_for_aot=True):
+        state["compiled_fn"] = deserializer(compiled_fn_state)
     artifacts = aot.CompileArtifacts(**state)
     artifacts.check_compatibility()
     fn_globals = artifacts.runtime_env.forward_callable(artifacts.backend_id, artifacts.compiled_fn,
                                                         extra_globals=f_globals).__globals__
     artifacts.guard_manager = load_guard_manager(guards_state, artifacts.original_code, fn_globals)
     return aot.AOTCompiledFunction(artifacts, _extra_globals=f_globals)
+
+
+@contextlib.contextmanager
+def _fake_modes_without_stacks():
+    """FakeTensorMode() records the Python stack where it was made (for its error messages): about
+    0.2 ms, paid per tensor guard when torch loads saved guards (GuardsStatePickler._unpickle_tensor
+    makes a mode per tensor; 2.13-2.14). Skipped here: those modes run no user code."""
+    from torch._subclasses import fake_tensor
+
+    class WithoutStacks:  # the traceback module, but extract_stack
+        def __getattr__(self, name):
+            return getattr(traceback, name)
+
+        @staticmethod
+        def extract_stack(*args, **kwargs):
+            return traceback.StackSummary()
+
+    real = fake_tensor.traceback
+    fake_tensor.traceback = WithoutStacks()
+    try:
+        yield
+    finally:
+        fake_tensor.traceback = real
 
 
 def aot_guard_reason(compiled, args: tuple, kwargs: dict) -> str | None:
@@ -593,3 +623,22 @@ def lazy_graph_modules():
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
     return _use_lazy_graph_module(True)
+
+
+def torch_key() -> bytes:
+    """Inductor's digest of torch's sources (computed once per process; 2.9-2.14)."""
+    from torch._inductor.codecache import torch_key as key
+
+    return key()
+
+
+def prime_torch_key(value: bytes) -> bool:
+    """Let Inductor take `value` as torch_key() instead of hashing torch's sources; False when this
+    process has it already. `torch_key.set`: an assert on 2.9, a RuntimeError on 2.13-2.14."""
+    from torch._inductor.codecache import torch_key as key
+
+    try:
+        key.set(value)
+    except (AssertionError, RuntimeError):
+        return False
+    return True

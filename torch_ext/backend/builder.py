@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 import tqdm
 
+from torch_ext.backend import inductor_keys
 from torch_ext.backend.cache import ArtifactStore
 from torch_ext.backend.compiler import GENERAL, InductorCompiler, Variant
 from torch_ext.backend.config import CompileConfig
@@ -49,6 +50,12 @@ class VariantBuilder:
     def _load_or_compile(self, piece, variant, example_inputs, store, name) -> tuple[Callable, bytes | None]:
         if store is None:
             return self.compiler.compile(piece.graph_module, example_inputs, variant, name=piece.name), None
+        inductor_keys.prime(self.compiler.config.cache_dir)  # before Inductor computes it
+        result = self._load_or_compile_cached(piece, variant, example_inputs, store, name)
+        inductor_keys.remember(self.compiler.config.cache_dir)  # computed by now
+        return result
+
+    def _load_or_compile_cached(self, piece, variant, example_inputs, store, name) -> tuple[Callable, bytes | None]:
         with store.lock(name):
             blob = store.read(name)
             if blob is not None:

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from torch_ext import workarounds
+from torch_ext.backend import warm_graph
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.counters import counters
 
@@ -108,6 +109,7 @@ class InductorCompiler:
         if pm is not None:
             patches["post_grad_custom_post_pass"] = pm
         options = {"config_patches": patches}
+        warm_graph.restore_example_values(gm)  # a piece of a graph a warm start loaded
         start = time.perf_counter()
         token = _current_variant.set(variant)
         try:

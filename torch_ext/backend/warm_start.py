@@ -80,7 +80,7 @@ class Program:
         self.aot = aot
         self.self_arg = self_arg
         self.function = aot.fn  # the transformed forward; takes `self` first for a method
-        self.graph_inputs = aot._artifacts.compiled_fn.graph_inputs
+        self.graph_inputs = compat.aot_backend_result(aot).graph_inputs
 
     def mismatch(self, args: tuple, kwargs: dict) -> str | None:
         """Why the saved guards refuse this call, or None."""
