@@ -10,6 +10,7 @@ setup(
     packages=[
         "torch_ext",
         "torch_ext.backend",
+        "torch_ext.compat",
         "torch_ext.backend.passes",
         "torch_ext.demo",
         "torch_ext.variables",

@@ -111,7 +111,7 @@ def test_older_torch_is_refused_with_the_versions_named():
 
 def test_newer_torch_warns_once_on_install(monkeypatch):
     assert compat.warn_if_untested(compat.NEWEST_TESTED_TORCH) is False
-    monkeypatch.setattr(compat, "TORCH_RELEASE", (2, 99, 0))
+    monkeypatch.setattr(compat.versions, "TORCH_RELEASE", (2, 99, 0))
     install_module = importlib.import_module("torch_ext.install")  # torch_ext.install is the function
     install_module._warn_once_if_untested.cache_clear()
     try:

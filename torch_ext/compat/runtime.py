@@ -1,0 +1,57 @@
+"""What the backend calls at run time: CUDA graph capture and recovery, custom ops called directly."""
+from __future__ import annotations
+
+import torch
+
+
+def non_owning_storage(data_ptr: int, device: torch.device, nbytes: int):
+    """A storage over memory it does not own (torch's cudagraph trees use the same private helper,
+    present from 2.9.1 to 2.13): captured outputs kept this way let the graph pool reuse them."""
+    return torch._C._construct_storage_from_data_pointer(data_ptr, device, nbytes)
+
+
+def rng_state_before_capture(device_index: int):
+    """A copy of the device's default CUDA generator state, for recover_from_failed_capture."""
+    return torch.cuda.default_generators[device_index].clone_state()
+
+
+def recover_from_failed_capture(device_index: int, pool, rng_state) -> None:
+    """Undo what a failed capture leaves behind (2.9.1 through 2.14.1, seen on 2.11): when
+    cudaStreamEndCapture fails (the capture was invalidated, e.g. by a host sync), CUDAGraph.capture_end
+    throws before it runs the generators' capture epilogue and before it ends the allocator's routing
+    into the pool: the default generator stays in capture mode, and every later random op on the
+    device raises "Offset increment outside graph capture encountered unexpectedly". The device
+    allocator's routing is ended here; the pinned-host allocator's (2.11+) has no Python binding,
+    so the pool id stays taken there: later captures must use a new pool ("beginAllocateToPool:
+    already recording to mempool_id" otherwise, seen on 2.11)."""
+    torch.cuda.default_generators[device_index].graphsafe_set_state(rng_state)
+    try:
+        torch._C._cuda_endAllocateToPool(device_index, pool)
+    except RuntimeError:  # capture_end got that far itself
+        pass
+
+
+def python_custom_op_def(op: torch._ops.OpOverload):
+    """The CustomOpDef of an op defined with torch.library.custom_op (its kernels run through Python
+    autograd, version and alias-checking layers), or None. The registry is private. Its `_backend_fns`
+    (device type, None for all -> the user's kernel, wrapped to honour disabled kernels) is what
+    the op's backend kernel calls, on 2.9.1 through 2.14.1."""
+    from torch._library import custom_ops
+
+    opdef = getattr(custom_ops, "OPDEFS", {}).get(op._schema.name)
+    if opdef is None or getattr(opdef, "_opoverload", None) is not op \
+            or not isinstance(getattr(opdef, "_backend_fns", None), dict):
+        return None
+    return opdef
+
+
+_mode_checks = (torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack,
+                torch._C._is_any_autocast_enabled, torch._C._are_functorch_transforms_active)
+
+
+def no_modes_or_autocast_active() -> bool:
+    """No torch-function or dispatch mode, autocast or functorch transform is active (0.3 us)."""
+    a, b, c, d = _mode_checks
+    return not (a() or b() or c() or d())
+
+

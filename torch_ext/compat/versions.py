@@ -1,0 +1,76 @@
+"""Which torch this is, whether torch_ext supports it, and the version-dependent facts
+(features, known bugs) other modules branch on through torch_ext.compat."""
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a version string such as "2.14.1+cu130" or "2.15.0.dev20260101"."""
+    return tuple(int(re.match(r"\d+", part).group()) for part in version.split("+")[0].split(".")[:3])
+
+
+# The torch releases CI runs the whole suite on (the Makefile's VERSIONS; the GPU machine adds 2.11);
+# `python -m torch_ext doctor` says whether the installed one is among them.
+TESTED_TORCH_VERSIONS = ("2.9.1", "2.13.0", "2.14.1")
+OLDEST_SUPPORTED_TORCH = _release(TESTED_TORCH_VERSIONS[0])
+NEWEST_TESTED_TORCH = _release(TESTED_TORCH_VERSIONS[-1])
+TORCH_RELEASE = _release(torch.__version__)
+
+
+def _shown(release: tuple[int, ...] | None) -> str:
+    return torch.__version__ if release is None else ".".join(map(str, release))
+
+
+def check_torch_version(release: tuple[int, ...] | None = None) -> None:
+    """Refuse a torch older than the oldest supported: its Dynamo internals differ."""
+    if (release or TORCH_RELEASE) < OLDEST_SUPPORTED_TORCH:
+        raise ImportError(f"torch_ext needs torch >= {TESTED_TORCH_VERSIONS[0]} (tested: "
+                          f"{', '.join(TESTED_TORCH_VERSIONS)}); this is torch {_shown(release)}. Upgrade "
+                          f"torch, e.g. `pip install torch=={TESTED_TORCH_VERSIONS[-1]}`.")
+
+
+def warn_if_untested(release: tuple[int, ...] | None = None) -> bool:
+    """Warn (install() does, once) when torch is newer than the newest tested; returns whether it is."""
+    if (release or TORCH_RELEASE) <= NEWEST_TESTED_TORCH:
+        return False
+    warnings.warn(f"torch_ext is tested with torch {', '.join(TESTED_TORCH_VERSIONS)}; this is torch "
+                  f"{_shown(release)}, newer. If compiling fails or results differ from eager, please "
+                  "report it with the output of `python -m torch_ext doctor`.", stacklevel=3)
+    return True
+
+
+check_torch_version()  # before the imports of internals below, which older releases lack
+
+from torch._dynamo.variables import higher_order_ops as _hops  # noqa: E402
+
+TORCH_VERSION = TORCH_RELEASE[:2]
+
+# 2.10 introduced wrap-semantics speculation in torch itself.
+TORCH_HAS_WRAP_SEMANTICS = hasattr(_hops, "speculate_subgraph_with_auto_output_flattening")
+
+# torch 2.9.1's invoke_subgraph autograd assumes every output is a tensor; 2.10+ also returns SymInts.
+INVOKE_SUBGRAPH_RETURNS_SYMINTS = TORCH_HAS_WRAP_SEMANTICS
+
+# 2.14 functionalizes a custom op that mutates its inputs inside a nested_compile_region (earlier:
+# "Found a custom (non-ATen) operator whose output has alias annotations"), so plain torch.compile
+# compiles region layers around an in-place attention op.
+INDUCTOR_COMPILES_MUTATING_OPS_IN_REGIONS = TORCH_VERSION >= (2, 14)
+
+# Known torch bugs torch_ext avoids (torch_ext/workarounds.py; pinned in tests/test_torch_bugs.py).
+# Inductor reuses buffers an invoke_subgraph call still needs: wrong gradients (2.9.1 .. 2.14.1).
+INDUCTOR_REUSES_REGION_BUFFERS = True
+# The invoke_subgraph backward-graph cache ignores which tangents are the same tensor (2.9.1; 2.13
+# adds the aliasing to its key).
+BACKWARD_CACHE_IGNORES_TANGENT_ALIASING = TORCH_VERSION < (2, 10)
+# invoke_subgraph's backward traces a graph, so it needs fake tensors: under backend="eager" a region
+# needing gradients fails ("fake_mode should be enabled for HOPs"); 2.14 runs such calls itself.
+EAGER_REGION_BACKWARD_NEEDS_FAKE_MODE = TORCH_VERSION < (2, 14)
+# A region bound per instance (`layer.forward = MethodType(nested_compile_region(cls.forward), layer)`)
+# and called for two instances: torch's subgraph reuse (keyed on the code) passes the first instance's
+# parameters to every later call: wrong outputs (2.13, 2.14.1; 2.9.1 is right; 2.10-2.12 untested).
+# torch_ext's region tracing lifts each call's own parameters.
+REGION_REUSE_BINDS_FIRST_INSTANCE = TORCH_VERSION >= (2, 13)
+
