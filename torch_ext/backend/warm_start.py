@@ -6,7 +6,7 @@ key; an entry under that key in `<cache_dir>/warm_start/` is loaded, else the fo
 once through torch's AOT compile (compat.aot_compile) and the entry written for the next process.
 
 What an entry holds: Dynamo's transformed bytecode and its guards (torch's AOTCompiledFunction,
-serialized), the Dynamo graph with its fake example values and the directory key of its pieces
+serialized), the Dynamo graph with the fake values the backend reads and the directory key of its pieces
 (warm_graph.SavedGraph: loading runs the backend on that graph again, every piece a disk-cache
 hit), the dim markings of the argument tensors, and the digest of every file Dynamo traced.
 
