@@ -99,6 +99,9 @@ class GraphInfo:
     outputs: list[Any]
 
 
+_NOT_AN_OUTPUT = object()
+
+
 class CudaGraphManager:
     """CUDA graphs for one backend (one CompileConfig): the memory pools, warnings, capture."""
 
@@ -270,7 +273,7 @@ class CudaGraphManager:
         """If arg lives in the output of a graph captured for `size`, the same view of it with the
         padded shape (what a graph of this size reads), else None."""
         storage = arg.untyped_storage()
-        if self._output_storages.get(storage.data_ptr()) != size:
+        if self._output_storages.get(storage.data_ptr(), _NOT_AN_OUTPUT) != size:  # size None: static shapes
             return None
         if list(arg.shape) == padded_shape:
             return arg

@@ -311,7 +311,7 @@ class CudaGraphRunner:
         for i, spec in enumerate(self.inputs):
             if spec.kind != TENSOR:
                 continue
-            if spec.role == COPIED and self.symbol is not None:
+            if spec.role == COPIED:
                 padded = self.manager.output_view(args[i], entry.size, spec.shape_at(self.symbol, entry.size))
                 if padded is not None:  # read in place from an earlier graph's output
                     entry.static_args[i] = non_owning(padded)  # that graph's memory, not ours to keep
