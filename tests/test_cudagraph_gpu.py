@@ -56,6 +56,26 @@ def test_replays_equal_uncaptured_runs_for_200_random_batch_sizes(mode, options)
     assert len(cudagraph_stats.sizes) >= len(CAPTURE) - 1
 
 
+def test_static_shapes_replays_equal_uncaptured_runs_at_several_batch_sizes():
+    """dynamic=False: one graph per batch size, pieces read earlier graphs' outputs in place; sizes
+    interleaved so that each graph's memory is reused by the others' between its replays."""
+    model = cm.TinyDecoder(layers=3).cuda()
+    graphs = torch.compile(model, backend=make_backend(config("piecewise")), dynamic=False)
+    plain = torch.compile(model, backend=make_backend(config("none")), dynamic=False)
+    gk, gv = model.caches("cuda")
+    pk, pv = [t.clone() for t in gk], [t.clone() for t in gv]
+    rng = random.Random(1)
+    for i, n in enumerate([4, 4, 4, 9, 9, 9] + [rng.choice((4, 9, 2)) for _ in range(60)]):
+        x = torch.randn(n, cm.D_MODEL, device="cuda")
+        with torch.no_grad():
+            actual = graphs(x, gk, gv, POS).clone()
+            expected = plain(x, pk, pv, POS)
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=f"call {i}, batch {n}")
+        for a, e in zip(gk + gv, pk + pv):
+            torch.testing.assert_close(a, e)
+    assert cudagraph_stats.replays > 100, cudagraph_stats
+
+
 def test_a_splitting_op_that_syncs_leaves_the_full_graph_to_the_pieces():
     """A real failed capture (the op reads a value on the host): warned once, then the piecewise
     graphs serve every call, equal to eager; the device keeps working."""
