@@ -25,7 +25,8 @@ baked into the graph (cudagraph_check_addresses verifies them on every replay). 
 without the batch dim that the graph writes in place (a KV cache) is read in place too, and its
 address is verified on every replay: a moved cache would otherwise be silently stale. Every other
 tensor is copied into a static buffer, except when it already lives in the output of a graph
-captured for the same size (the residual stream between pieces): then the graph reads it there.
+captured for the same size, static shapes included (the residual stream between pieces): then
+the graph reads it there, its address checked on every replay.
 
 Memory. One private pool per device, shared by every graph of the backend. All graphs of one
 compiled graph capture a size during one forward call, in call order: an output that a later
