@@ -30,6 +30,18 @@ def fresh():
     torch._dynamo.reset()
 
 
+def assert_step_matches(compiled, reference, x, caches, reference_caches, msg, *, rows=None, tol=1e-5):
+    """One step of both (each with its own caches): outputs equal, and the caches (their first
+    `rows` rows: full graphs pad the splitting op too, rows past the batch may hold padding writes)."""
+    with torch.no_grad():
+        actual = compiled(x, *caches, POS).clone()  # the next replay overwrites graph outputs
+        expected = reference(x, *reference_caches, POS)
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=tol, msg=msg)
+    for a, e in zip(caches[0] + caches[1], reference_caches[0] + reference_caches[1]):
+        torch.testing.assert_close(a[:rows], e[:rows])
+    return actual
+
+
 @pytest.mark.parametrize("mode,options", [("piecewise", {}), ("full", {}),
                                           ("full_and_piecewise", {"full_cudagraph_max_size": 16})])
 def test_replays_equal_uncaptured_runs_for_200_random_batch_sizes(mode, options):
@@ -44,14 +56,9 @@ def test_replays_equal_uncaptured_runs_for_200_random_batch_sizes(mode, options)
         x = torch.randn(n, cm.D_MODEL, device="cuda")
         if i == 0:
             torch._dynamo.mark_dynamic(x, 0)
-        with torch.no_grad():
-            actual = graphs(x, gk, gv, POS).clone()  # the next replay overwrites graph outputs
-            expected = plain(x, pk, pv, POS)
+        actual = assert_step_matches(graphs, plain, x, (gk, gv), (pk, pv), f"call {i}, batch {n}",
+                                     rows=None if mode == "piecewise" else n)
         assert actual.shape == (n, cm.D_MODEL)
-        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=f"call {i}, batch {n}")
-        for a, e in zip(gk + gv, pk + pv):
-            # Full graphs pad the splitting op too: rows past the batch may hold padding writes.
-            torch.testing.assert_close(a if mode == "piecewise" else a[:n], e if mode == "piecewise" else e[:n])
     assert cudagraph_stats.replays > 100, cudagraph_stats
     assert len(cudagraph_stats.sizes) >= len(CAPTURE) - 1
 
@@ -67,12 +74,7 @@ def test_static_shapes_replays_equal_uncaptured_runs_at_several_batch_sizes():
     rng = random.Random(1)
     for i, n in enumerate([4, 4, 4, 9, 9, 9] + [rng.choice((4, 9, 2)) for _ in range(60)]):
         x = torch.randn(n, cm.D_MODEL, device="cuda")
-        with torch.no_grad():
-            actual = graphs(x, gk, gv, POS).clone()
-            expected = plain(x, pk, pv, POS)
-        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=f"call {i}, batch {n}")
-        for a, e in zip(gk + gv, pk + pv):
-            torch.testing.assert_close(a, e)
+        assert_step_matches(graphs, plain, x, (gk, gv), (pk, pv), f"call {i}, batch {n}")
     assert cudagraph_stats.replays > 100, cudagraph_stats
 
 
@@ -88,12 +90,7 @@ def test_a_splitting_op_that_syncs_leaves_the_full_graph_to_the_pieces():
             x = torch.randn(n, cm.D_MODEL, device="cuda")
             if i == 0:
                 torch._dynamo.mark_dynamic(x, 0)
-            with torch.no_grad():
-                actual = graphs(x, gk, gv, POS).clone()
-                expected = model(x, ek, ev, POS)
-            torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=f"call {i}, batch {n}")
-            for a, e in zip(gk + gv, ek + ev):
-                torch.testing.assert_close(a[:n], e[:n])
+            assert_step_matches(graphs, model, x, (gk, gv), (ek, ev), f"call {i}, batch {n}", rows=n)
     assert cudagraph_stats.replays > 0 and 8 in cudagraph_stats.sizes  # the pieces' graphs
 
 
@@ -124,12 +121,8 @@ def test_guard_free_dispatch_in_natural_call_order_matches_eager(mode):
     with pytest.warns(GuardFreeDispatchWarning, match=r"size mismatch at index 0. expected 1, actual 8"):
         for i, n in enumerate([1, 8, 3, 1, 17, 8, 1, 3, 8, 1, 3, 64]):
             x = torch.randn(n, cm.D_MODEL, device="cuda")
-            with torch.no_grad():
-                actual = compiled(x, gk, gv, POS).clone()
-                expected = model(x, ek, ev, POS)
-            torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4, msg=f"call {i}, batch {n}")
-            for a, e in zip(gk + gv, ek + ev):
-                torch.testing.assert_close(a if mode == "piecewise" else a[:n], e if mode == "piecewise" else e[:n])
+            assert_step_matches(compiled, model, x, (gk, gv), (ek, ev), f"call {i}, batch {n}",
+                                rows=None if mode == "piecewise" else n, tol=1e-4)
     assert compiled.calls == 2 and cudagraph_stats.replays > 0
 
 
