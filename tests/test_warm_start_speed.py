@@ -54,12 +54,24 @@ def test_saved_graph_keeps_values_where_pieces_meet_and_restores_the_rest():
         if node.op == "placeholder" or crosses:
             assert after[node.name] is not None, node.format_node()
 
+    assert all(n.meta.get(warm_graph.VALUE_DROPPED) for n in dropped)
     warm_graph.restore_example_values(loaded)
+    assert not any(warm_graph.VALUE_DROPPED in n.meta for n in loaded.graph.nodes)
     restored = _values(loaded)
     for node in dropped:
         value, original = restored[node.name], before[node.name]
         assert isinstance(value, torch.Tensor), node.format_node()
         assert (value.dtype, value.dim(), str(value.shape)) == (original.dtype, original.dim(), str(original.shape))
+
+
+def test_restore_leaves_graphs_that_were_not_loaded_alone():
+    model = bm.Decoder(layers=1)
+    with torch.no_grad():
+        gm = _dynamo_graph(model, bm.batch(4, dynamic=True), model.caches())
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and "example_value" in n.meta)
+    node.meta.pop("example_value")  # a value Dynamo did not record: nothing to restore, nothing run
+    warm_graph.restore_example_values(gm)
+    assert "example_value" not in node.meta and "val" not in node.meta
 
 
 def test_torch_sources_stamp_follows_module_files(tmp_path, monkeypatch):

@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 # holds the real example tensor; module stacks hold classes of user modules).
 _DROPPED_META = ("grapharg", "nn_module_stack", "source_fn_stack", "original_aten", "from_node")
 
+# Marks a node whose example value dump_graph dropped (inside a piece).
+VALUE_DROPPED = "torch_ext_value_dropped"
+
 # The backend that loads a SavedGraph in this thread (set by warm_start around torch's deserialize).
 loading_backend: contextvars.ContextVar = contextvars.ContextVar("torch_ext_warm_backend", default=None)
 
@@ -101,9 +104,12 @@ def dump_graph(gm: fx.GraphModule, is_splitting: Callable[[fx.Node], bool]) -> b
                     names = _DROPPED_META + (("example_value", "val") if node in inside_pieces else ())
                     dropped = {k: node.meta.pop(k) for k in names if k in node.meta}
                     kept.append((node, dropped))
+                    if node in inside_pieces:
+                        node.meta[VALUE_DROPPED] = True  # what restore_example_values restores (split keeps meta)
         return pickler.dumps(gm, gp.Options(ops_filter=None))
     finally:
         for node, dropped in kept:
+            node.meta.pop(VALUE_DROPPED, None)
             node.meta.update(dropped)
 
 
@@ -204,27 +210,25 @@ def tensor_marks(arguments: dict[str, Any]) -> dict[tuple, dict]:
 def restore_example_values(gm: fx.GraphModule) -> None:
     """Example values of the nodes dump_graph dropped, propagated again from the graph's inputs
     (for Inductor, whose passes may read them, before it compiles a piece of a loaded graph).
-    No-op for a graph that has them all."""
+    No-op for a graph that was not loaded; best effort (Inductor traces a piece from its inputs)."""
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
             continue
         nodes = list(module.graph.nodes)
-        missing = [n for n in nodes if n.op in ("call_function", "call_method")
-                   and "example_value" not in n.meta and "val" not in n.meta]
+        missing = [n for n in nodes if n.meta.get(VALUE_DROPPED)]
         if not missing:
             continue
-        inputs = placeholder_values(module)
-        mode = _fake_mode(inputs)
-        if mode is None:
-            raise SavedGraphError(f"cannot restore the example values of {type(module).__name__}: "
-                                  "its inputs carry no fake tensors")
         had_val = {n for n in nodes if "val" in n.meta}
+        inputs = placeholder_values(module)
+        mode = next((v.fake_mode for v in inputs if isinstance(v, torch._subclasses.FakeTensor)), None)
         try:
+            if mode is None:
+                raise SavedGraphError("its inputs carry no fake tensors")
             with mode:
                 FakeTensorProp(module, mode).propagate_dont_convert_inputs(*inputs)
-        except Exception as e:  # Inductor traces the piece from its inputs anyway: compile without them
+        except Exception as e:
             log.debug("torch_ext: cannot restore example values of a loaded piece (%s: %s)", type(e).__name__, e)
             for n in nodes:
                 if n not in had_val:
@@ -235,3 +239,4 @@ def restore_example_values(gm: fx.GraphModule) -> None:
                 value = n.meta.pop("val", None)
                 if n in missing:
                     n.meta["example_value"] = value
+                    del n.meta[VALUE_DROPPED]
