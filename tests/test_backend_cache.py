@@ -40,8 +40,7 @@ def model_dirs(cache_dir):
 
 def artifacts(cache_dir):
     """The pieces' artifacts (not Inductor's saved torch_key: inductor_keys.py)."""
-    found = glob.glob(os.path.join(str(cache_dir), "*", "artifacts", "*.bin"))
-    return sorted(p for p in found if os.path.basename(os.path.dirname(os.path.dirname(p))) != inductor_keys.STORE)
+    return sorted(p for d in model_dirs(cache_dir) for p in glob.glob(os.path.join(d, "artifacts", "*.bin")))
 
 
 def test_pack_unpack_roundtrip_and_damage():

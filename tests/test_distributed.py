@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from torch_ext.backend import inductor_keys
+from test_backend_cache import model_dirs
 
 WORLD = 2
 TIMEOUT_S = 240
@@ -62,8 +62,8 @@ def test_tensor_parallel_decoder_through_the_backend_is_cached_per_rank(tmp_path
     for r in cold:  # 3 layers split at attention: 4 pieces, the middle two identical
         assert (r["counters"]["pieces"], r["counters"]["unique_pieces"]) == (4, 3)
         assert r["counters"]["inductor_compiles"] > 0 and r["counters"]["cache_hits"] == 0
-    model_dirs = [d for d in os.listdir(cache_dir) if (cache_dir / d).is_dir() and d != inductor_keys.STORE]
-    assert len(model_dirs) == WORLD, model_dirs  # graphs with all-reduces: one key per rank
+    keys = model_dirs(cache_dir)
+    assert len(keys) == WORLD, keys  # graphs with all-reduces: one key per rank
     warm = run_ranks("tp_decoder", tmp_path, str(cache_dir))
     for r, c in zip(warm, cold):
         assert r["counters"]["inductor_compiles"] == 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import glob
 import os
 
-import pytest
 import torch
 import torch.fx as fx
 

@@ -133,8 +133,6 @@ def aot_deserialize(data: bytes, f_globals: dict, marks: dict[tuple, dict], exte
     runtime tensor but was absent at compile time"). `marks` maps an argument path (("x",),
     ("caches", 0)) to the marking attributes its tensor had; they are put back before the guards are
     built. Raises on a torch/Python/GPU mismatch (torch's SystemInfo check) or unloadable data."""
-    import io
-
     from torch._dynamo import aot_compile as aot, convert_frame
     from torch._dynamo.package import SerializedCode, load_guard_manager, load_guards_state
     from torch._dynamo.utils import dynamo_timed, get_metrics_context

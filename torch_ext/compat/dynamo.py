@@ -3,7 +3,6 @@ shape symbols and guards, as each supported torch spells them."""
 from __future__ import annotations
 
 import contextlib
-import re
 from typing import Any
 
 import torch

@@ -1,7 +1,6 @@
 """Inductor's per-process state a warm process takes from an earlier one: ISA probe, torch_key."""
 from __future__ import annotations
 
-import torch
 
 def cpu_vec_isa_names() -> list[str] | None:
     """The vector ISAs Inductor found usable for C++ kernels in this process (it compiles and loads a
