@@ -236,7 +236,7 @@ def _key(gm) -> str:
     return cache_mod.model_key("cfg", [], environment_factors(gm))
 
 
-@pytest.mark.parametrize("change", ["triton", "cuda", "hip", "torch", "cpu isa"])
+@pytest.mark.parametrize("change", ["triton", "cuda", "hip", "torch", "cpu isa", "torch_ext artifact format"])
 def test_model_key_changes_with_the_software_and_cpu(monkeypatch, change):
     gm = _graph()
     before = _key(gm)
@@ -247,6 +247,8 @@ def test_model_key_changes_with_the_software_and_cpu(monkeypatch, change):
         monkeypatch.setattr(torch.version, change, "99.9")
     elif change == "torch":
         monkeypatch.setattr(torch, "__version__", "2.99.0")
+    elif change == "torch_ext artifact format":  # what pieces are compiled from changed (environment.py)
+        monkeypatch.setattr(environment, "ARTIFACT_FORMAT", environment.ARTIFACT_FORMAT + 1)
     else:
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "OTHER_ISA")
     assert _key(gm) != before

@@ -15,7 +15,8 @@ import torch_ext
 from torch_ext import compat, workarounds
 from torch_ext.testing import check_matches_eager
 
-from test_torch_bugs import chained_calls, per_instance_regions, two_calls_product
+from test_torch_bugs import (checkpoint_grad_error, checkpointed_dropout, chained_calls, dropout_body,
+                             per_instance_regions, selectively_checkpointed_dropout, two_calls_product)
 
 BACKENDS = ("eager", "aot_eager", "inductor")
 
@@ -76,6 +77,43 @@ def test_regions_needing_grad_run_under_eager_backend(installed):
     torch.testing.assert_close(grads, expected)
 
 
+@pytest.mark.parametrize("program", [checkpointed_dropout, selectively_checkpointed_dropout])
+def test_checkpoints_under_eager_backend_recompute_with_the_forward_rng_state(installed, program):
+    """Vanilla: dropout draws a new mask in the recompute (test_torch_bugs.py); torch_ext checkpoints
+    such a call as eager does."""
+    assert checkpoint_grad_error(program) < 1e-5
+
+
+def test_checkpoint_under_eager_backend_keeps_body_kwargs_and_still_recomputes(installed):
+    """Body kwargs reach the body, and the call stays a checkpoint: backward runs the body's matmul
+    again (3 matmuls in backward: the recompute and the two gradients)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket is torch.ops.aten.mm
+            return func(*args, **(kwargs or {}))
+
+    def body(x, w, *, scale):
+        return dropout_body(x, w) * scale
+
+    def program(x, w):
+        return torch.utils.checkpoint.checkpoint(body, x, w, use_reentrant=False, scale=3.0).sum(-1)
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    torch.manual_seed(0)
+    out = torch.compile(program, backend="eager", fullgraph=True)(x, w)
+    torch.manual_seed(0)
+    expected = program(x, w)
+    torch.testing.assert_close(out, expected)
+    with CountMatmuls() as counted:
+        grads = torch.autograd.grad(out.sum(), (x, w))
+    torch.testing.assert_close(grads, torch.autograd.grad(expected.sum(), (x, w)))
+    assert counted.count == 3
+
+
 def test_inductor_patches_only_for_region_graphs():
     plain = torch.fx.symbolic_trace(lambda x: x + 1)
     assert workarounds.inductor_patches(plain) == {}
@@ -92,14 +130,17 @@ def test_uninstall_restores_what_install_patched():
     compile_fx_module = importlib.import_module("torch._inductor.compile_fx")
     hop = torch._higher_order_ops.invoke_subgraph
     key = torch._C.DispatchKey.Autograd
-    before = (compile_fx_module.compile_fx, hop.py_kernels[key])
+    checkpoint_call = torch._higher_order_ops.wrap.TagActivationCheckpoint.__dict__["__call__"]
+    before = (compile_fx_module.compile_fx, hop.py_kernels[key], checkpoint_call)
     torch_ext.install()
     torch_ext.install()  # idempotent: wraps once
     assert compile_fx_module.compile_fx.__torch_ext_original__ is before[0]
     if compat.EAGER_REGION_BACKWARD_NEEDS_FAKE_MODE:
         assert hop.py_kernels[key].__torch_ext_original__ is before[1]
+    assert torch._higher_order_ops.wrap.TagActivationCheckpoint.__call__.__wrapped__ is checkpoint_call
     torch_ext.uninstall()
-    assert (compile_fx_module.compile_fx, hop.py_kernels[key]) == before
+    after = torch._higher_order_ops.wrap.TagActivationCheckpoint.__dict__["__call__"]
+    assert (compile_fx_module.compile_fx, hop.py_kernels[key], after) == before
 
 
 def test_older_torch_is_refused_with_the_versions_named():

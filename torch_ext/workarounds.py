@@ -14,6 +14,11 @@ strict xfail, so a torch release that fixes one shows up there.
 3. Not a wrong result, a crash (before 2.14): `invoke_subgraph`'s autograd needs fake tensors, so a
    region needing gradients fails under `backend="eager"`. At run time a region just runs its
    body, so outside of tracing the body runs with ordinary autograd.
+4. An activation checkpoint that runs outside of tracing (`backend="eager"`, Dynamo only, as one
+   debugs) recomputes its body in backward with `preserve_rng_state=False` (what AOTAutograd needs
+   while tracing): dropout draws a new mask, **wrong gradients** (2.13, 2.14.1; with a `context_fn`
+   also 2.9.1). Avoided: on real tensors outside of tracing the body is checkpointed as eager
+   `checkpoint` does it (the user's `preserve_rng_state`, default True, and `context_fn`).
 """
 from __future__ import annotations
 
@@ -129,12 +134,35 @@ def _run_body_when_eager(autograd_kernel):
     return kernel
 
 
+def _checkpoint_like_eager(call):
+    """TagActivationCheckpoint.__call__ that, on real tensors outside any tracing, checkpoints the
+    body as eager `torch.utils.checkpoint.checkpoint` does (bug 4); under tracing, torch's own."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    from torch.utils.checkpoint import checkpoint
+
+    @functools.wraps(call)
+    def __call__(self, gmod, *args, **kwargs):
+        tensors = [t for t in args if isinstance(t, torch.Tensor)]
+        if _get_current_dispatch_mode() is not None or not all(type(t) in (torch.Tensor, torch.nn.Parameter)
+                                                                for t in tensors):
+            return call(self, gmod, *args, **kwargs)
+        checkpoint_kwargs, body_kwargs = self.divide_kwargs(kwargs)
+        checkpoint_kwargs["use_reentrant"] = False  # what Dynamo traced; the reentrant form takes no kwargs
+        context_fn = gmod.meta.get("_checkpoint_context_fn")
+        if context_fn is not None:  # Dynamo keeps it on the body, not in the call
+            checkpoint_kwargs["context_fn"] = context_fn
+        return checkpoint(gmod, *args, **checkpoint_kwargs, **body_kwargs)
+
+    return __call__
+
+
 def _patch_points():
     """(owner, attribute, wrap) for every patch this torch version needs."""
     invoke_subgraph_module = importlib.import_module("torch._higher_order_ops.invoke_subgraph")
     compile_fx_module = importlib.import_module("torch._inductor.compile_fx")
 
-    points = []
+    wrap_module = importlib.import_module("torch._higher_order_ops.wrap")
+    points = [(wrap_module.TagActivationCheckpoint, "__call__", _checkpoint_like_eager)]
     if compat.INDUCTOR_REUSES_REGION_BUFFERS or compat.BACKWARD_CACHE_IGNORES_TANGENT_ALIASING:
         points.append((compile_fx_module, "compile_fx", _compile_fx_avoiding_bugs))
     if compat.BACKWARD_CACHE_IGNORES_TANGENT_ALIASING:

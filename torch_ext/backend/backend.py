@@ -7,6 +7,7 @@ backward graphs, and splitting ops use their own autograd formulas.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 
@@ -152,6 +153,7 @@ class TorchExtBackend:
         done = {} if done is None else done
         if id(split) in done:  # a body shared by several call sites
             return
+        top_level = not done
         prefix = done[id(split)] = f"body{len(done)}_" if done else ""
         for position, piece in enumerate(split.pieces):
             if piece.kind == "splitting":
@@ -168,9 +170,30 @@ class TorchExtBackend:
                     f"fingerprint {runner.fingerprint[:16]}, runs as {runner.name} of {group.name}"
                 dumper.graph(os.path.join("pieces", f"{prefix}{piece.name}.py"), piece.graph_module, note)
             if runner is not None:
+                runner.check_layouts(self._made_inside(split, piece.name, top_level))
                 # The split graph calls `self.<name>(...)`; an instance attribute replaces the submodule.
                 delattr(split.split_gm, piece.name)
                 split.split_gm.__dict__[piece.name] = runner
+
+    def _made_inside(self, split: SplitGraph, name: str, top_level: bool) -> dict[int, str]:
+        """Arguments of the call of piece `name` that are made inside the graph, with what makes them
+        (the graph's own inputs are guarded by Dynamo; a split HOP body's inputs are not)."""
+        call = next(n for n in split.split_gm.graph.nodes if n.op == "call_module" and n.target == name)
+        kinds = {p.name: p for p in split.pieces}
+        made = {}
+        for i, arg in enumerate(call.args):
+            source = arg.args[0] if isinstance(arg, fx.Node) and arg.target is operator.getitem else arg
+            if not isinstance(source, fx.Node) or (source.op == "placeholder" and top_level):
+                continue
+            producer = kinds.get(source.target) if source.op == "call_module" else None
+            if producer is not None and producer.kind == "splitting":
+                ops = (self.matcher.match(n) for n in producer.graph_module.graph.nodes)
+                made[i] = next((op for op in ops if op), f"splitting op {producer.name}")
+            elif producer is not None:
+                made[i] = f"piece {producer.name} (Inductor)"
+            else:
+                made[i] = f"{source.op} {source.target}"
+        return made
 
     def _compile_general(self, group: PieceGroup) -> None:
         group.compile_general()

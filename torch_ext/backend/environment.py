@@ -11,6 +11,10 @@ import sys
 import torch
 import torch.fx as fx
 
+# What pieces are compiled from, as torch_ext does it: bumped when that changes for one graph (v2:
+# size variants get inputs in their fakes' layout, backend/layout.py), so no older artifact is taken.
+ARTIFACT_FORMAT = 2
+
 # Operator namespaces of the collectives Dynamo records (functional collectives and c10d ops).
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor")
 
@@ -57,6 +61,7 @@ def environment_factors(gm: fx.GraphModule) -> dict[str, str]:
 def process_factors(devices: set[str], collectives: bool) -> dict[str, str]:
     """The same factors for graphs on `devices` (device types) that may hold collectives."""
     factors = {
+        "torch_ext_artifacts": f"v{ARTIFACT_FORMAT}",
         "torch": f"{torch.__version__} git={torch.version.git_version}",
         "python": sys.version,
         "triton": _version("triton"),

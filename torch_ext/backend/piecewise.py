@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from torch_ext.backend import layout
 from torch_ext.backend.compiler import GENERAL, Variant
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,15 @@ class CompiledPiece:
         self._by_runtime_size: dict[int, Callable] = {}
         self._general: Callable | None = None
         self._warned_sizes = False
+        self.layout_checks: tuple[layout.LayoutCheck, ...] = ()
+        self.input_sources: dict[int, str] = {}  # argument index -> what makes it (for messages)
+
+    def check_layouts(self, sources: dict[int, str]) -> None:
+        """Check the layout of the arguments at these indices on every call (layout.py): a call site
+        passes them from inside the graph; `sources` names what makes each."""
+        for index, source in sources.items():
+            self.input_sources.setdefault(index, source)
+        self.layout_checks = layout.checks_for(self.example_inputs, self.input_sources)
 
     def eligible(self, variant: Variant) -> bool:
         if variant.kind == "size":
@@ -123,6 +133,8 @@ class CompiledPiece:
         return fn
 
     def __call__(self, *args):
+        if self.layout_checks:  # before a size variant is compiled from these args
+            args = layout.with_layouts(args, self.layout_checks, self.name, self.input_sources)
         locator = self.locator
         if locator is None:
             fn = self._general

@@ -74,3 +74,8 @@ EAGER_REGION_BACKWARD_NEEDS_FAKE_MODE = TORCH_VERSION < (2, 14)
 # torch_ext's region tracing lifts each call's own parameters.
 REGION_REUSE_BINDS_FIRST_INSTANCE = TORCH_VERSION >= (2, 13)
 
+# An activation checkpoint run outside of tracing (backend="eager") recomputes its body without the
+# forward's RNG state: dropout draws a new mask in backward, wrong gradients. Plain checkpoints: 2.13,
+# 2.14.1 (they take the selective-checkpoint path; 2.9.1 does not recompute them; 2.10-2.12 untested);
+# with a context_fn (selective checkpointing): every version. torch_ext checkpoints such calls as eager does.
+EAGER_CHECKPOINT_LOSES_RNG_STATE = TORCH_VERSION >= (2, 13)
