@@ -286,3 +286,23 @@ def test_model_key_holds_the_rank_only_for_graphs_with_collectives(monkeypatch):
         keys[rank[0]] = (_key(with_collective), _key(plain))
     assert keys[0][0] != keys[1][0]  # per rank
     assert keys[0][1] == keys[1][1]  # shared: the same code on every rank
+
+
+def test_pieces_inductor_cannot_save_run_and_are_said_once(tmp_path, monkeypatch, caplog):
+    """torch 2.9.1 cannot save a piece that needs gradients; such pieces run, are kept in memory,
+    and the warning comes once, not once per piece."""
+    from torch_ext.backend.compiler import InductorCompiler
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("no AOTAutograd entry")
+
+    base = torch._inductor.CompiledArtifact
+    for cls in (base, *base.__subclasses__()):  # 2.13+: the artifact is a subclass with its own save
+        if "save" in cls.__dict__:
+            monkeypatch.setattr(cls, "save", refuse)
+    monkeypatch.setattr(InductorCompiler, "_said_unsaveable", False)
+    with caplog.at_level(logging.WARNING, logger="torch_ext.backend"):
+        _compile_and_check(tmp_path)
+    said = [r for r in caplog.records if "cannot be saved to the cache" in r.getMessage()]
+    assert len(said) == 1 and "no AOTAutograd entry" in said[0].getMessage()
+    assert counters.inductor_compiles == UNIQUE_VARIANTS and artifacts(tmp_path) == []

@@ -71,6 +71,8 @@ def _load_pass_manager():
 
 
 class InductorCompiler:
+    _said_unsaveable = False  # per process (serialize)
+
     def __init__(self, config: CompileConfig):
         self.config = config
         self._pass_managers: dict[int | None, Any] = {}
@@ -150,8 +152,13 @@ class InductorCompiler:
             try:
                 artifact.save(path=path, format="binary")
             except Exception as e:  # e.g. unpicklable constants: keep it in memory only
-                log.warning("torch_ext: a compiled piece cannot be saved to the cache (%s); it will be "
-                            "recompiled in the next process", e)
+                # Said once: torch 2.9.1 cannot save any piece that needs gradients (its AOTAutograd
+                # entry is missing from the artifact), and a model has many.
+                level = logging.DEBUG if InductorCompiler._said_unsaveable else logging.WARNING
+                InductorCompiler._said_unsaveable = True
+                log.log(level, "torch_ext: a compiled piece cannot be saved to the cache (%s: %s); it is "
+                        "recompiled in the next process (Inductor's own cache still applies). Further such "
+                        "pieces are logged at DEBUG.", type(e).__name__, e)
                 return None
             with open(path, "rb") as f:
                 return f.read()
