@@ -9,7 +9,7 @@ fake's, and the eager splitting op (`F.scaled_dot_product_attention`) after it t
 output out the same way. A splitting op whose fake kernel disagrees with its real one does it too.
 So each tensor input a piece gets from inside the graph (not a graph input: Dynamo guards those)
 whose fake is dense is checked against the fake's dimension order (strides of size-1 dims are
-free, as in Inductor's assert) and, where it differs, copied into that order; said once per input.
+free, as in Inductor's assert) and, where it differs, copied into that order; said once per splitting op (or piece input).
 A fake that is not dense (expanded, sliced) is left as it is: Inductor's assert still guards it.
 """
 from __future__ import annotations
@@ -104,7 +104,7 @@ def _copy_in_order(x: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
 
 
 def _say(piece: str, index: int, x: torch.Tensor, source: str) -> None:
-    key = f"{piece}/{index}"
+    key = source if "::" in source else f"{piece}/{index}"  # an op's layout: said once for all its uses
     if key in _said:
         return
     _said.add(key)

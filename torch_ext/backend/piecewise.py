@@ -109,6 +109,7 @@ class CompiledPiece:
         self._warned_sizes = False
         self.layout_checks: tuple[layout.LayoutCheck, ...] = ()
         self.input_sources: dict[int, str] = {}  # argument index -> what makes it (for messages)
+        self.label = f"{group.name}/{name}"
 
     def check_layouts(self, sources: dict[int, str]) -> None:
         """Check the layout of the arguments at these indices on every call (layout.py): a call site
@@ -134,7 +135,7 @@ class CompiledPiece:
 
     def __call__(self, *args):
         if self.layout_checks:  # before a size variant is compiled from these args
-            args = layout.with_layouts(args, self.layout_checks, self.name, self.input_sources)
+            args = layout.with_layouts(args, self.layout_checks, self.label, self.input_sources)
         locator = self.locator
         if locator is None:
             fn = self._general
