@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import glob
+import math
 import os
 
 import pytest
@@ -240,3 +241,37 @@ def test_graphs_traced_with_install_and_object_outputs():
         compiled = torch.compile(model, backend=make_backend(config(compile_sizes=[4])), fullgraph=True)
         run_and_compare(model, compiled, [4, 6])
     assert counters.splitting_op_calls == 3
+
+
+def _scaled_attention(x):
+    """A float computed from a size before the splitting op and a constant one (GELU's), read after it."""
+    b, t, d = x.shape
+    ratio = t / 2.0  # a SymFloat under dynamic=True
+    gelu = math.sqrt(2.0 / math.pi)  # Dynamo may record this as SymFloat calls too
+    q = x.view(b, t, 2, d // 2).transpose(1, 2)
+    a = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    return a.transpose(1, 2).reshape(b, t, d) * ratio * gelu + (t > 3)
+
+
+@pytest.mark.parametrize("specialize_float", [True, False])
+def test_floats_computed_before_a_splitting_op_are_read_after_it(specialize_float):
+    """Such floats were piece outputs: a constant one failed Inductor ("Unexpected output types:
+    [float]", HF GPT-2 under generate), a symbolic one failed torch 2.9.1's compile of the next
+    piece. Now a known number is folded in and a symbolic float is computed again where it is read."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    cfg = CompileConfig(splitting_ops=["aten::scaled_dot_product_attention"], cache_dir=None)
+    backend = make_backend(cfg)
+    with torch._dynamo.config.patch(specialize_float=specialize_float):
+        torch.compile(_scaled_attention, backend=capture, dynamic=True)(torch.randn(2, 4, 8))
+        torch._dynamo.reset()
+        compiled = torch.compile(_scaled_attention, backend=backend, dynamic=True)
+        for t in (4, 6, 3):
+            x = torch.randn(2, t, 8)
+            torch.testing.assert_close(compiled(x), _scaled_attention(x))
+    floats = [n for n in graphs[0].graph.nodes if isinstance(n.meta.get("example_value"), torch.SymFloat)]
+    assert floats, "the test needs Dynamo to record float calls"
