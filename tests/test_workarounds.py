@@ -16,7 +16,7 @@ from torch_ext import compat, workarounds
 from torch_ext.testing import check_matches_eager
 
 from test_torch_bugs import (checkpoint_grad_error, checkpointed_dropout, chained_calls, dropout_body,
-                             per_instance_regions, selectively_checkpointed_dropout, two_calls_product)
+                             nested_regions, per_instance_regions, selectively_checkpointed_dropout, two_calls_product)
 
 BACKENDS = ("eager", "aot_eager", "inductor")
 
@@ -62,7 +62,7 @@ def test_regions_bound_per_instance_match_eager(installed):
     check_matches_eager(per_instance_regions(3), torch.randn(2, 8, requires_grad=True), backends=("eager", "aot_eager"))
 
 
-@pytest.mark.parametrize("program", [two_calls_product, chained_calls])
+@pytest.mark.parametrize("program", [two_calls_product, chained_calls, nested_regions])
 def test_pinned_programs_match_eager(installed, program):
     check_matches_eager(program, torch.randn(4, requires_grad=True), backends=BACKENDS)
 

@@ -19,6 +19,9 @@ strict xfail, so a torch release that fixes one shows up there.
    while tracing): dropout draws a new mask, **wrong gradients** (2.13, 2.14.1; with a `context_fn`
    also 2.9.1). Avoided: on real tensors outside of tracing the body is checkpointed as eager
    `checkpoint` does it (the user's `preserve_rng_state`, default True, and `context_fn`).
+5. Not a wrong result, a crash (2.9.1): a region inside another HOP's body fails AOTAutograd when
+   gradients are needed. Avoided in torch_ext's region tracing (variables/invoke_subgraph.py): such
+   an inner region is traced inline.
 """
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 Repeated calls of one region share one subgraph: torch's `install_subgraph_in_output_graph`
 (inherited) finds an identical previously installed body and reuses its name.
 invoke_subgraph is not inlined before autograd, so its outputs may not alias its inputs.
+On torch < 2.13 a region called inside another HOP's body is traced inline (compat.NESTED_REGION_FAILS_AOT).
 """
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ class InvokeSubgraphVariable(WrapSemanticsMixin, compat.InvokeSubgraphHigherOrde
     )
     def _call_function(self, tx, args, kwargs):
         fn_vt = args[0]
+        if compat.NESTED_REGION_FAILS_AOT and tx.output.current_tracer.parent is not None:
+            # Inside another HOP's body: as its own subgraph it would fail AOTAutograd on this torch;
+            # inlined it computes the same (a region just runs its body), without subgraph reuse.
+            return fn_vt.call_function(tx, list(args[1:]), kwargs)
         spec, body_gmod, body_name, proxy_args = self.trace_body(
             tx, fn_vt, args[1:], kwargs, subgraph_name="subgraph"
         )

@@ -79,3 +79,8 @@ REGION_REUSE_BINDS_FIRST_INSTANCE = TORCH_VERSION >= (2, 13)
 # 2.14.1 (they take the selective-checkpoint path; 2.9.1 does not recompute them; 2.10-2.12 untested);
 # with a context_fn (selective checkpointing): every version. torch_ext checkpoints such calls as eager does.
 EAGER_CHECKPOINT_LOSES_RNG_STATE = TORCH_VERSION >= (2, 13)
+# A nested_compile_region called inside another HOP body (a region, a checkpoint) fails AOTAutograd's
+# trace when gradients are needed ("fake mode from tracing context doesn't match mode from active fake
+# mode"): 2.9.1, also vanilla; 2.13+ compile it; 2.10-2.12 untested (inlining is right everywhere).
+# torch_ext traces such an inner region inline (a region just runs its body).
+NESTED_REGION_FAILS_AOT = TORCH_VERSION < (2, 13)
