@@ -359,3 +359,16 @@ def test_transformers_model_warm_starts(tmp_path, fx_pieces):
     assert counters.warm_start_fallbacks == 0
     torch.testing.assert_close(cold, expected)
     torch.testing.assert_close(warm, cold, rtol=0, atol=0)
+
+
+@aot_only
+def test_a_forward_whose_floats_dynamo_specializes_on_a_restart_warm_starts(tmp_path):
+    """A tanh-GELU head reads the global float math.pi, which Dynamo leaves unspecialized under
+    dynamic=True: the backend asks Dynamo to trace again with it specialized, and the value guard on
+    math.pi names an import alias. Both used to send every call through torch.compile (HF GPT-2)."""
+    cold = run_worker(tmp_path, "--gelu", "--dynamic", "--fx-pieces")
+    assert cold["max_error"] < 1e-5 and cold["counters"]["warm_start_saves"] == 1
+    warm = run_worker(tmp_path, "--gelu", "--dynamic", "--fx-pieces")
+    assert warm["max_error"] < 1e-5
+    assert warm["counters"]["warm_start_loads"] == 1 and warm["counters"]["warm_start_fallbacks"] == 0
+    assert warm["outputs"] == cold["outputs"]

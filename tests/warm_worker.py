@@ -4,10 +4,13 @@ own frame count, the outputs).
 
     python tests/warm_worker.py CACHE_DIR [--layers N] [--sizes 4,6] [--guard-free] [--fx-pieces] [--no-warm]
                                           [--barrier DIR --parties N] [--hang-before-commit]
-                                          [--compile-sizes 9]
+                                          [--compile-sizes 9] [--gelu] [--dynamic]
 
 --fx-pieces: pieces run as FX graphs (no Inductor: fast; they are not cached on disk).
 --barrier/--parties: wait until N workers reach the first call, so they start together.
+--gelu: a tanh-GELU head after the decoder (reads the global float math.pi, which Dynamo leaves
+unspecialized under dynamic=True: the backend has Dynamo trace again with it specialized).
+--dynamic: torch_ext.compile(..., dynamic=True).
 --hang-before-commit: on the warm-start entry's write, print HANGING and stop after its bytes are
 on disk but before they are renamed into place (the parent then SIGKILLs us).
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -24,6 +28,19 @@ import torch
 import backend_models as bm
 import torch_ext
 from torch_ext.backend import CompileConfig, counters
+
+
+class GeluHead(torch.nn.Module):
+    def __init__(self, decoder):
+        super().__init__()
+        self.decoder = decoder
+
+    def caches(self):
+        return self.decoder.caches()
+
+    def forward(self, x, caches):
+        h = self.decoder(x, caches)
+        return 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0))))
 
 
 def main() -> None:
@@ -38,6 +55,8 @@ def main() -> None:
     parser.add_argument("--parties", type=int, default=1)
     parser.add_argument("--hang-before-commit", action="store_true")
     parser.add_argument("--compile-sizes", default="", help="CompileConfig.compile_sizes, comma-separated")
+    parser.add_argument("--gelu", action="store_true")
+    parser.add_argument("--dynamic", action="store_true")
     args = parser.parse_args()
 
     from torch._inductor import codecache
@@ -68,8 +87,8 @@ def main() -> None:
                         guard_free_dispatch=args.guard_free, progress_bar=False,
                         warm_start=False if args.no_warm else None,
                         compile_sizes=[int(n) for n in args.compile_sizes.split(",") if n])
-    model = bm.Decoder(layers=args.layers)
-    compiled = torch_ext.compile(model, cfg)
+    model = bm.Decoder(layers=args.layers) if not args.gelu else GeluHead(bm.Decoder(layers=args.layers))
+    compiled = torch_ext.compile(model, cfg, dynamic=True if args.dynamic else None)
     if args.barrier:
         open(os.path.join(args.barrier, f"ready.{os.getpid()}"), "w").close()
         deadline = time.time() + 120

@@ -64,6 +64,9 @@ class TorchExtBackend:
                         "torch.compile(model, backend=...) traces the model again in every process.")
         floats = compat.floats_to_specialize(example_inputs)
         if floats:
+            read = _symbols_read(gm)
+            floats = [name for name in floats if name in read]
+        if floats:
             # Pieces are compiled apart, some with real tensors of one size, where a Python float
             # read back from a 0-d tensor input cannot stay symbolic: trace again with it constant.
             log.info("torch_ext: specializing Python float inputs %s (Dynamo traces the frame again)", floats)
@@ -201,6 +204,17 @@ class TorchExtBackend:
         counters.pieces += group.occurrences
         counters.unique_pieces += len(group.pieces)
         counters.splitting_op_calls += group.splitting_ops
+
+
+def _symbols_read(gm: fx.GraphModule) -> set[str]:
+    """Names of the symbols in the graph's values. A graph loaded for a warm start was traced with its
+    floats specialized already, though its shape env still knows their symbols."""
+    names: set[str] = set()
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            names.update(str(s) for s in value.node.expr.free_symbols)
+    return names
 
 
 def _call_split_body(partition: fx.GraphModule, hop_node_name: str, body_split: fx.GraphModule) -> None:

@@ -235,9 +235,9 @@ class WarmStart:
 
     def _compile_and_save(self, store: ArtifactStore, name: str, factors: dict, args: tuple, kwargs: dict):
         try:
-            aot, traced = compat.aot_compile(self.func, self.self_arg, args, kwargs,
-                                             warm_graph.backend_for_save(self.backend), dynamic=self.dynamic,
-                                             guard_filter=self._guard_filter)
+            aot, traced = compat.retrying_float_restarts(lambda: compat.aot_compile(
+                self.func, self.self_arg, args, kwargs, warm_graph.backend_for_save(self.backend),
+                dynamic=self.dynamic, guard_filter=self._guard_filter))
         except Exception as e:
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             self.say("refused", "cannot trace it for a warm start (%s); it goes through torch.compile", reason)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import traceback
 from typing import Any
 
@@ -84,10 +85,11 @@ def aot_compile(fn, self_arg, args: tuple, kwargs: dict, backend, *, dynamic: bo
         source_info = SourceInfo(inlined_sources=set())
         for code in graph_capture.traced_code:
             source_info.add_code(code)
+        runtime_env = graph_capture.get_runtime_env()
         artifacts = aot.CompileArtifacts(
             signature=convert_frame._get_signature(fn), guard_manager=check_fn.guard_manager,
             guards_state=check_fn.guards_state, backend_id=backend_input.backend_id, compiled_fn=compiled_fn,
-            original_code=fn.__code__, runtime_env=graph_capture.get_runtime_env(), source_info=source_info,
+            original_code=fn.__code__, runtime_env=runtime_env, source_info=source_info,
             device_type=_graph_device_type(gm.graph), backend_name="torch_ext")
         return aot.AOTCompiledFunction(_artifacts=artifacts, _extra_globals=fn.__globals__), \
             list(graph_capture.traced_code)
@@ -155,6 +157,14 @@ def _aot_deserialize(aot, data, f_globals, marks, external, SerializedCode, load
     state["original_code"] = SerializedCode.to_code_object(state["original_code"])
     with _fake_modes_without_stacks():  # one FakeTensorMode per saved tensor guard
         guards_state = load_guards_state(state["guards_state"])
+    # Guards read modules from the saved global scope, which keeps none: `G['math'].pi == 3.14...` or
+    # `G['__import_transformers_dot_activations'].math.pi == ...` (the value guard of a float Dynamo
+    # specialized on a restart). Put back the import aliases and the forward's own globals.
+    global_scope = guards_state.output_graph.global_scope
+    for alias, module in state["runtime_env"].import_sources.items():
+        global_scope.setdefault(alias, importlib.import_module(module))
+    for name, value in f_globals.items():
+        global_scope.setdefault(name, value)
     scope = guards_state.output_graph.local_scope
     for path, attrs in marks.items():
         value = scope

@@ -3,7 +3,7 @@ shape symbols and guards, as each supported torch spells them."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -185,6 +185,24 @@ def specialized_float(item_node) -> float | None:
     if memo is None or not hasattr(name, "name") or not TensorifyState.should_specialize(name.name):
         return None
     return guard_scalar(memo)
+
+
+def retrying_float_restarts(trace: Callable[[], Any], attempts: int = 4) -> Any:
+    """trace(), again while the backend asks to specialize more floats (restart_with_floats_specialized):
+    what Dynamo's own frame compile does, for traces that do not go through it (warm start's AOT
+    trace). The specializations are forgotten afterwards, as Dynamo forgets them after a frame."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    from torch._dynamo.symbolic_convert import TensorifyState
+
+    try:
+        for attempt in range(attempts):
+            try:
+                return trace()
+            except TensorifyScalarRestartAnalysis:
+                if attempt == attempts - 1:
+                    raise
+    finally:
+        TensorifyState.clear()
 
 
 def restart_with_floats_specialized(names: list[str]):
