@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import statistics
@@ -130,10 +131,15 @@ def measure(model, caches, batches, args, refs, cache_dir, label: str) -> dict:
         print(f"[{label}] {name} ready in {time.perf_counter() - start:.1f} s, rel err {err:.1e}", flush=True)
     print(f"[{label}] timing {args.rounds} interleaved rounds", flush=True)
     with torch.no_grad():
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
             for b in batches:
                 for name, fn in ready.items():
+                    # A rank stuck here for `--timeout` s prints every thread's stack (then NCCL's own
+                    # timeout fails the collective).
+                    faulthandler.dump_traceback_later(args.timeout, exit=False)
                     out[name]["ms"][b].append(D.time_steps(lambda x: fn(x, caches, D.POS), inputs[b], args.iters))
+                    faulthandler.cancel_dump_traceback_later()
+            print(f"[{label}] round {round_ + 1}/{args.rounds} timed", flush=True)
     for name in out:
         out[name]["ms"] = {b: statistics.median(v) for b, v in out[name]["ms"].items()}
     return out
