@@ -161,11 +161,19 @@ def rank_main(rank: int, args, batches, init_file: str, refs_path: str, result_p
         refs = torch.load(refs_path)
         # One cache dir for both ranks: graphs with collectives are keyed by rank (backend/environment.py).
         result = measure(model, caches, batches, args, refs, cache_dir, f"2 GPUs, rank {rank}")
+        print(f"[2 GPUs, rank {rank}] ms: " + "; ".join(
+            f"{c}: " + ", ".join(f"B={b} {result[c]['ms'][b]:.3f}" for b in batches) for c in result), flush=True)
         if rank == 0:
             with open(result_path, "w") as f:
                 json.dump(result, f)
-    finally:
+        torch.cuda.synchronize()
+        dist.barrier()
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # destroy_process_group hung here with NCCL kernels still captured in CUDA graphs (H200 x2,
+    # torch 2.11): leave without it, the results are written.
+    os._exit(0)
 
 
 def main() -> int:
