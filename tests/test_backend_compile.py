@@ -119,6 +119,48 @@ def test_batch_of_one_recompiles_in_dynamo_and_stays_correct():
     assert counters.graphs_seen == 2  # Dynamo specializes size 1 into its own (static) graph
 
 
+class SequenceAttention(torch.nn.Module):
+    """(batch, seq, dim) inputs: under dynamic=True the sequence dim is dynamic too."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        q = self.proj(x)
+        return self.proj(torch.nn.functional.scaled_dot_product_attention(q, q, q)) + x
+
+
+def test_compile_sizes_that_cannot_apply_are_said_once_with_the_fix(caplog):
+    """dynamic=True makes the sequence dim dynamic: a size variant would specialize it, so the
+    pieces run their general compile (correctly), and the warning names both dims and the fix;
+    with only the batch dim marked dynamic the size is compiled and nothing is said."""
+    model = SequenceAttention()
+    cfg = config(splitting_ops=["aten::scaled_dot_product_attention"], compile_sizes=[4])
+    compiled = torch.compile(model, backend=make_backend(cfg), dynamic=True)
+    with caplog.at_level("WARNING", logger="torch_ext.backend"), torch.no_grad():
+        for n, seq in [(4, 5), (4, 7), (3, 5)]:
+            x = torch.randn(n, seq, 8)
+            torch.testing.assert_close(compiled(x), model(x), atol=ATOL, rtol=RTOL)
+    said = [r.getMessage() for r in caplog.records if "do not apply" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "compile_sizes [4] do not apply to 2 of 2 pieces" in said[0]
+    assert "L['x'].size(0)" in said[0] and "L['x'].size(1)" in said[0] and "mark_dynamic(x, 0)" in said[0]
+    assert "size=4" not in counters.compiles_by_variant
+
+    torch._dynamo.reset()
+    counters.reset()
+    caplog.clear()
+    compiled = torch.compile(model, backend=make_backend(cfg))
+    with caplog.at_level("WARNING", logger="torch_ext.backend"), torch.no_grad():
+        for n in (4, 3):
+            x = torch.randn(n, 5, 8)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x), model(x), atol=ATOL, rtol=RTOL)
+    assert not [r for r in caplog.records if "do not apply" in r.getMessage()]
+    assert counters.compiles_by_variant["size=4"] == 2
+
+
 def test_compile_ranges_pick_variants_by_size():
     model = bm.Decoder(layers=2)
     compiled = torch.compile(model, backend=make_backend(config(compile_sizes=[8], compile_ranges_split_points=[4])))

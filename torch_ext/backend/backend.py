@@ -24,7 +24,7 @@ from torch_ext.backend.cudagraph import CudaGraphManager
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.counters import counters
 from torch_ext.backend.environment import environment_factors
-from torch_ext.backend.piecewise import batch_size_of, batch_symbol
+from torch_ext.backend.piecewise import batch_size_of, batch_symbol, free_symbols
 from torch_ext.backend.split import (INLINABLE_HOPS, SplitGraph, SplittingOpMatcher, hop_name, split_graph,
                                      unmatched_splitting_ops)
 
@@ -92,6 +92,7 @@ class TorchExtBackend:
             # Module state assigned by the frame (not in the graph) would move what graphs read in place.
             dispatch.expect_transformed_code(f"cudagraph_mode={self.config.cudagraph_mode!r}")
         self._install_runners(split, group, dumper)
+        self._say_sizes_not_specializable(gm, group, index)
         self._compile_general(group)
 
         dump.trace_artifact("torch_ext_split_graph", lambda: dump.readable(split.split_gm))
@@ -135,6 +136,24 @@ class TorchExtBackend:
                 self._said_unmatched.add(field)
                 log.warning("torch_ext: %s %s are never used: graph %d accepts batches up to %d (its shape "
                             "constraints). Drop them, or raise the bound.", field, above, index, upper)
+
+    def _say_sizes_not_specializable(self, gm: fx.GraphModule, group: PieceGroup, index: int) -> None:
+        """compile_sizes apply only to pieces whose one dynamic dim is the batch (a size variant
+        specializes every shape); pieces with other dynamic dims (dynamic=True makes the sequence
+        dim dynamic too) run their range/general compile instead: said once."""
+        if not self.config.compile_sizes or "compile_sizes/dims" in self._said_unmatched:
+            return
+        skipped = [p for p in group.pieces.values() if p.locator is not None and not p.size_specializable]
+        if not skipped:
+            return
+        self._said_unmatched.add("compile_sizes/dims")
+        others = set().union(*(free_symbols(p.example_inputs) for p in skipped)) - {group.symbol}
+        log.warning("torch_ext: compile_sizes %s do not apply to %d of %d pieces of graph %d: besides the batch "
+                    "(%s) they have dynamic dims (%s), and a size variant would specialize them; those pieces "
+                    "run their range/general compile. To compile per batch size, mark only the batch dim "
+                    "dynamic (torch._dynamo.mark_dynamic(x, 0), not dynamic=True), or mark the other dims "
+                    "static.", list(self.config.compile_sizes), len(skipped), len(group.pieces), index,
+                    _where_symbols(gm, {group.symbol}), _where_symbols(gm, others))
 
     def _store(self, gm: fx.GraphModule, key: str | None = None) -> ArtifactStore | None:
         if not self.config.cache_dir:
@@ -204,6 +223,20 @@ class TorchExtBackend:
         counters.pieces += group.occurrences
         counters.unique_pieces += len(group.pieces)
         counters.splitting_op_calls += group.splitting_ops
+
+
+def _where_symbols(gm: fx.GraphModule, symbols: set) -> str:
+    """Each symbol with the first graph input dim that carries it, e.g. "s1: L['x'].size(1)"."""
+    where: dict = {}
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if node.op != "placeholder" or not isinstance(value, torch.Tensor):
+            continue
+        name = compat.placeholder_source(node) or node.name
+        for dim, size in enumerate(value.shape):
+            if isinstance(size, torch.SymInt) and size.node.expr in symbols:
+                where.setdefault(size.node.expr, f"{name}.size({dim})")
+    return ", ".join(f"{s}: {where[s]}" if s in where else str(s) for s in sorted(symbols, key=str))
 
 
 def _symbols_read(gm: fx.GraphModule) -> set[str]:

@@ -13,7 +13,6 @@ the piece's only symbol; a piece with other dynamic dims runs its range/general 
 from __future__ import annotations
 
 import bisect
-import logging
 from typing import Any, Callable
 
 import torch
@@ -21,8 +20,6 @@ import torch.fx as fx
 
 from torch_ext.backend import layout
 from torch_ext.backend.compiler import GENERAL, Variant
-
-log = logging.getLogger(__name__)
 
 _MAX_MEMO_SIZES = 4096  # runtime sizes remembered per piece (beyond: resolved on every call)
 
@@ -106,7 +103,6 @@ class CompiledPiece:
         self.variants: dict[Variant, Callable] = {}
         self._by_runtime_size: dict[int, Callable] = {}
         self._general: Callable | None = None
-        self._warned_sizes = False
         self.layout_checks: tuple[layout.LayoutCheck, ...] = ()
         self.input_sources: dict[int, str] = {}  # argument index -> what makes it (for messages)
         self.label = f"{group.name}/{name}"
@@ -151,13 +147,8 @@ class CompiledPiece:
     def _resolve(self, n: int, args) -> Callable:
         config = self.group.config
         variant = GENERAL
-        if n in config.compile_sizes:
-            if self.size_specializable:
-                variant = Variant("size", size=n)
-            elif not self._warned_sizes:
-                self._warned_sizes = True
-                log.info("torch_ext: piece %s has dynamic dims besides the batch dim; compile_sizes do not "
-                         "apply to it (it runs its range/general compile)", self.name)
+        if n in config.compile_sizes and self.size_specializable:  # else: said by the backend, once
+            variant = Variant("size", size=n)
         if variant == GENERAL:
             ranges = self.group.bounded_ranges
             i = bisect.bisect_right(self.group.range_starts, n) - 1
