@@ -47,7 +47,6 @@ def aot_compile(fn, self_arg, args: tuple, kwargs: dict, backend, *, dynamic: bo
     compile). Returns (AOTCompiledFunction, traced code objects)."""
     from torch._dynamo import aot_compile as aot, convert_frame
     from torch._dynamo.eval_frame import set_enable_dynamic
-    from torch._dynamo.graph_utils import _graph_device_type
     from torch._dynamo.hooks import Hooks
     from torch._dynamo.package import SourceInfo
     from torch._dynamo.utils import dynamo_timed, get_metrics_context
@@ -93,6 +92,17 @@ def aot_compile(fn, self_arg, args: tuple, kwargs: dict, backend, *, dynamic: bo
             device_type=_graph_device_type(gm.graph), backend_name="torch_ext")
         return aot.AOTCompiledFunction(_artifacts=artifacts, _extra_globals=fn.__globals__), \
             list(graph_capture.traced_code)
+
+
+def _graph_device_type(graph) -> str:
+    """The device type an AOT artifact records (its load checks that device): one function on 2.13,
+    2.14.1; from 2.15 the set of device types, collapsed to the preferred accelerator."""
+    from torch._dynamo import graph_utils
+
+    if hasattr(graph_utils, "_graph_device_type"):
+        return graph_utils._graph_device_type(graph)
+    from torch._dynamo.package import _collapse_device_types
+    return _collapse_device_types(graph_utils._graph_device_types(graph))
 
 
 def aot_serialize(compiled, external: dict[str, Any]) -> bytes:
@@ -150,7 +160,9 @@ def aot_deserialize(data: bytes, f_globals: dict, marks: dict[tuple, dict], exte
 def _aot_deserialize(aot, data, f_globals, marks, external, SerializedCode, load_guard_manager, load_guards_state):
     import io
 
-    unpickler = aot.AOTCompileUnpickler(external, io.BytesIO(data))
+    # 2.15 writes a magic header and format version before the pickle, and checks them on load.
+    payload = aot._open_aot_compile_payload(data) if hasattr(aot, "_open_aot_compile_payload") else io.BytesIO(data)
+    unpickler = aot.AOTCompileUnpickler(external, payload)
     state = unpickler.load()
     state["runtime_env"] = dataclasses.replace(
         state["runtime_env"], bytecode=SerializedCode.to_code_object(state["runtime_env"].bytecode))
