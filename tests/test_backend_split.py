@@ -190,3 +190,56 @@ def test_unmatched_splitting_op_is_said_once_with_the_nearest_names(caplog):
     assert len(said) == 1, said
     assert "aten::_scaled_dot_product_flash_attention" in said[0]
     assert "nearest names: aten::scaled_dot_product_attention" in said[0]
+
+
+class EmbedThenBreak(torch.nn.Module):
+    """A graph break before the attention (Hugging Face models break on a logging call there):
+    Dynamo's first graph holds no attention, the second does."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(16, 16)
+        self.layer = SdpaLayer()
+
+    def forward(self, x):
+        h = self.embed(x)
+        torch._dynamo.graph_break()
+        return self.layer(h)
+
+
+@pytest.mark.parametrize("op, said", [("aten::scaled_dot_product_attention", False),
+                                      ("aten::_scaled_dot_product_flash_attention", True)])
+def test_a_graph_without_the_splitting_op_is_not_said_when_a_later_graph_has_it(caplog, op, said):
+    """The first graph lacks the op; only if no later graph (nor the first graph's second call)
+    matches it is it said, once."""
+    import torch_ext
+    from torch_ext.backend import counters
+
+    model = EmbedThenBreak()
+    config = torch_ext.CompileConfig(splitting_ops=[op], cache_dir=None)
+    compiled = torch.compile(model, backend=torch_ext.backend(config))
+    with torch.no_grad(), caplog.at_level("WARNING", logger="torch_ext.backend"):
+        for _ in range(3):
+            x = torch.randn(2, 5, 16)
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+    messages = [r.getMessage() for r in caplog.records if "matches no call" in r.getMessage()]
+    assert len(messages) == int(said), messages
+    assert counters.splitting_op_calls == (0 if said else 1)
+    if said:
+        assert op in messages[0] and "graphs 0 and 1" in messages[0]
+        assert "nearest names: aten::scaled_dot_product_attention" in messages[0]  # from graph 1
+
+
+def test_unmatched_splitting_op_in_a_single_graph_is_said_at_its_second_call(caplog):
+    import torch_ext
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    config = torch_ext.CompileConfig(splitting_ops=["aten::softmax"], cache_dir=None)
+    compiled = torch.compile(model, backend=torch_ext.backend(config))
+    with torch.no_grad(), caplog.at_level("WARNING", logger="torch_ext.backend"):
+        compiled(torch.randn(2, 5, 16))
+        assert not [r for r in caplog.records if "matches no call" in r.getMessage()]
+        for _ in range(3):
+            compiled(torch.randn(2, 5, 16))
+    messages = [r.getMessage() for r in caplog.records if "matches no call" in r.getMessage()]
+    assert len(messages) == 1 and "aten::softmax matches no call in graph 0" in messages[0], messages

@@ -24,9 +24,9 @@ from torch_ext.backend.cudagraph import CudaGraphManager
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.counters import counters
 from torch_ext.backend.environment import environment_factors
-from torch_ext.backend.piecewise import batch_size_of, batch_symbol, free_symbols
-from torch_ext.backend.split import (INLINABLE_HOPS, SplitGraph, SplittingOpMatcher, hop_name, split_graph,
-                                     unmatched_splitting_ops)
+from torch_ext.backend.piecewise import batch_symbol
+from torch_ext.backend.split import INLINABLE_HOPS, SplitGraph, SplittingOpMatcher, hop_name, split_graph
+from torch_ext.backend.unused_config import UnusedConfigReporter
 
 log = logging.getLogger("torch_ext.backend")
 
@@ -45,7 +45,7 @@ class TorchExtBackend:
         self.builder = VariantBuilder(InductorCompiler(self.config))
         self.cudagraphs = CudaGraphManager(self.config) if self.config.cudagraph_mode != "none" else None
         self._graphs = 0
-        self._said_unmatched: set[str] = set()
+        self.unused_config = UnusedConfigReporter(self.config, self.matcher)
         self.last_store_key: str | None = None  # the piece cache's directory key of the last graph
         self._said_warm = False
         self.warm_start_used = False  # set by torch_ext.compile when it serves warm starts (warm_start.py)
@@ -84,15 +84,13 @@ class TorchExtBackend:
         self.last_store_key = store.key if store is not None else None
         group = PieceGroup(f"graph {index}", self.config, self.builder, store, batch_symbol(gm))
         split = split_graph(gm, self.matcher, self.config.hop_split)
-        self._say_unmatched(gm, index)
-        self._say_unreachable_sizes(gm, index)
         graph_info = None
         if self.cudagraphs is not None:
             graph_info = self.cudagraphs.prepare(gm, self.matcher, f"graph {index}")
             # Module state assigned by the frame (not in the graph) would move what graphs read in place.
             dispatch.expect_transformed_code(f"cudagraph_mode={self.config.cudagraph_mode!r}")
         self._install_runners(split, group, dumper)
-        self._say_sizes_not_specializable(gm, group, index)
+        self.unused_config.graph(gm, index, group, split.split_gm)
         self._compile_general(group)
 
         dump.trace_artifact("torch_ext_split_graph", lambda: dump.readable(split.split_gm))
@@ -109,51 +107,6 @@ class TorchExtBackend:
         if self.cudagraphs is not None:  # piecewise: wraps the pieces in place; full: wraps the split graph
             return self.cudagraphs.wrap(split, graph_info)
         return split.split_gm
-
-    def _say_unmatched(self, gm: fx.GraphModule, index: int) -> None:
-        """A configured splitting op that matches nothing is said once: the graph is not split there."""
-        for name, nearest in unmatched_splitting_ops(gm, self.matcher).items():
-            if name in self._said_unmatched:
-                continue
-            self._said_unmatched.add(name)
-            hint = f"; calls in the graph with the nearest names: {', '.join(nearest)}" if nearest else ""
-            log.warning("torch_ext: splitting op %s matches no call in graph %d, so the graph is not split "
-                        "there%s (README, Backend: which names match).", name, index, hint)
-
-    def _say_unreachable_sizes(self, gm: fx.GraphModule, index: int) -> None:
-        """Sizes no batch the graph accepts can reach (its batch has an upper bound from
-        mark_dynamic(max=...) or torch._check): said once per kind."""
-        size = batch_size_of(gm)
-        upper = compat.symbol_upper_bound(size) if size is not None else None
-        if upper is None:
-            return
-        capture = self.config.cudagraph_capture_sizes
-        never = {"compile_sizes": [n for n in self.config.compile_sizes if n > upper],
-                 # a capture size serves the batches above the one before it (they pad up to it)
-                 "cudagraph_capture_sizes": [n for i, n in enumerate(capture) if i > 0 and capture[i - 1] >= upper]}
-        for field, above in never.items():
-            if above and field not in self._said_unmatched:
-                self._said_unmatched.add(field)
-                log.warning("torch_ext: %s %s are never used: graph %d accepts batches up to %d (its shape "
-                            "constraints). Drop them, or raise the bound.", field, above, index, upper)
-
-    def _say_sizes_not_specializable(self, gm: fx.GraphModule, group: PieceGroup, index: int) -> None:
-        """compile_sizes apply only to pieces whose one dynamic dim is the batch (a size variant
-        specializes every shape); pieces with other dynamic dims (dynamic=True makes the sequence
-        dim dynamic too) run their range/general compile instead: said once."""
-        if not self.config.compile_sizes or "compile_sizes/dims" in self._said_unmatched:
-            return
-        skipped = [p for p in group.pieces.values() if p.locator is not None and not p.size_specializable]
-        if not skipped:
-            return
-        self._said_unmatched.add("compile_sizes/dims")
-        others = set().union(*(free_symbols(p.example_inputs) for p in skipped)) - {group.symbol}
-        log.warning("torch_ext: compile_sizes %s do not apply to %d of %d pieces of graph %d: besides the batch "
-                    "(%s) they have dynamic dims (%s), and a size variant would specialize them; those pieces "
-                    "run their range/general compile. To compile per batch size, mark only the batch dim "
-                    "dynamic (torch._dynamo.mark_dynamic(x, 0), not dynamic=True), or mark the other dims "
-                    "static.", list(self.config.compile_sizes), len(skipped), len(group.pieces), index,
-                    _where_symbols(gm, {group.symbol}), _where_symbols(gm, others))
 
     def _store(self, gm: fx.GraphModule, key: str | None = None) -> ArtifactStore | None:
         if not self.config.cache_dir:
@@ -223,20 +176,6 @@ class TorchExtBackend:
         counters.pieces += group.occurrences
         counters.unique_pieces += len(group.pieces)
         counters.splitting_op_calls += group.splitting_ops
-
-
-def _where_symbols(gm: fx.GraphModule, symbols: set) -> str:
-    """Each symbol with the first graph input dim that carries it, e.g. "s1: L['x'].size(1)"."""
-    where: dict = {}
-    for node in gm.graph.nodes:
-        value = node.meta.get("example_value", node.meta.get("val"))
-        if node.op != "placeholder" or not isinstance(value, torch.Tensor):
-            continue
-        name = compat.placeholder_source(node) or node.name
-        for dim, size in enumerate(value.shape):
-            if isinstance(size, torch.SymInt) and size.node.expr in symbols:
-                where.setdefault(size.node.expr, f"{name}.size({dim})")
-    return ", ".join(f"{s}: {where[s]}" if s in where else str(s) for s in sorted(symbols, key=str))
 
 
 def _symbols_read(gm: fx.GraphModule) -> set[str]:

@@ -240,7 +240,12 @@ class WarmStart:
                 dynamic=self.dynamic, guard_filter=self._guard_filter))
         except Exception as e:
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            self.say("refused", "cannot trace it for a warm start (%s); it goes through torch.compile", reason)
+            # A forward Dynamo cannot capture whole (a graph break) is the user's to know of when asked for;
+            # any other failure is torch_ext's or torch's, always worth a warning.
+            asked = self.backend.config.warm_start is True
+            level = logging.INFO if _dynamo_refusal(e) and not asked else logging.WARNING
+            self.say("refused", "cannot trace it for a warm start (%s); it goes through torch.compile", reason,
+                     level=level)
             _write(store, name, {"format": FORMAT, "factors": factors, "refused": reason})
             return "refused"
         if self.backend.config.cudagraph_mode != "none":
@@ -307,3 +312,10 @@ class WarmStartModule:
         if name == "model":
             raise AttributeError(name)
         return getattr(self.model, name)
+
+
+def _dynamo_refusal(e: BaseException) -> bool:
+    """Dynamo refused the forward (a graph break, an unsupported construct), as opposed to failing."""
+    from torch._dynamo import exc
+
+    return isinstance(e, (exc.Unsupported, exc.UserError))
