@@ -15,7 +15,8 @@ import torch_ext
 from torch_ext import compat, workarounds
 from torch_ext.testing import check_matches_eager
 
-from test_torch_bugs import (checkpoint_grad_error, checkpointed_dropout, chained_calls, dropout_body,
+from test_torch_bugs import (checkpoint_grad_error, checkpointed_dropout, checkpointed_dropout_rows, chained_calls,
+                             dropout_body, dropout_mask_error,
                              nested_regions, per_instance_regions, selectively_checkpointed_dropout, two_calls_product)
 
 BACKENDS = ("eager", "aot_eager", "inductor")
@@ -112,6 +113,19 @@ def test_checkpoint_under_eager_backend_keeps_body_kwargs_and_still_recomputes(i
         grads = torch.autograd.grad(out.sum(), (x, w))
     torch.testing.assert_close(grads, torch.autograd.grad(expected.sum(), (x, w)))
     assert counted.count == 3
+
+
+def test_checkpointed_dropout_trains_under_inductor_with_dynamic_shapes(installed):
+    """Vanilla 2.9.1 and 2.12.1 fail to compile it (test_torch_bugs.py); torch_ext compiles such graphs
+    with fallback_random there. Gradients follow the mask the forward drew, on every version."""
+    torch._dynamo.reset()
+    graphs = []
+    compiled = torch.compile(checkpointed_dropout_rows, dynamic=True, fullgraph=True)
+    assert dropout_mask_error(compiled) < 1e-4
+    torch.compile(checkpointed_dropout_rows, backend=lambda gm, _: graphs.append(gm) or gm, dynamic=True,
+                  fullgraph=True)(torch.randn(4, 8), torch.randn(8, 8))
+    patches = workarounds.inductor_patches(graphs[0])
+    assert patches.get("fallback_random", False) == compat.PARTITIONER_FAILS_ON_DYNAMIC_CHECKPOINTED_RNG
 
 
 def test_inductor_patches_only_for_region_graphs():

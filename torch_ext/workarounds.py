@@ -22,6 +22,10 @@ strict xfail, so a torch release that fixes one shows up there.
 5. Not a wrong result, a crash (2.9.1): a region inside another HOP's body fails AOTAutograd when
    gradients are needed. Avoided in torch_ext's region tracing (variables/invoke_subgraph.py): such
    an inner region is traced inline.
+6. Not a wrong result, a crash (2.9.1): Inductor fails on an activation checkpoint whose body
+   draws random numbers, with dynamic shapes, in training (AOTAutograd's partitioner). Avoided by
+   compiling graphs with a checkpoint and dynamic shapes with `fallback_random=True` (eager's RNG
+   ops: same masks as eager for the same seed; other graphs are untouched).
 """
 from __future__ import annotations
 
@@ -68,9 +72,36 @@ def _region_patches() -> dict:
     return patches
 
 
+def _checkpoint_rng_patches(gm) -> dict:
+    """fallback_random for a graph with an activation checkpoint and dynamic shapes (bug 6); whether
+    the body draws random numbers does not matter: the option changes only random ops."""
+    if not (compat.PARTITIONER_FAILS_ON_DYNAMIC_CHECKPOINTED_RNG and isinstance(gm, fx.GraphModule)
+            and not torch._inductor.config.fallback_random and _calls_checkpoint(gm) and _has_symbols(gm)):
+        return {}
+    _say_once("torch_ext: compiling a graph with an activation checkpoint and dynamic shapes with Inductor's "
+              "fallback_random=True (torch %s fails to partition checkpointed random ops otherwise)",
+              torch.__version__)
+    return {"fallback_random": True}
+
+
+def _calls_checkpoint(gm: fx.GraphModule) -> bool:
+    hop = torch._higher_order_ops.tag_activation_checkpoint
+    return any(node.target is hop for module in gm.modules() if isinstance(module, fx.GraphModule)
+               for node in module.graph.find_nodes(op="call_function", target=hop))
+
+
+def _has_symbols(gm: fx.GraphModule) -> bool:
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value", node.meta.get("val"))
+        sizes = value.shape if isinstance(value, torch.Tensor) else (value,)
+        if any(isinstance(size, torch.SymInt) for size in sizes):
+            return True
+    return False
+
+
 def inductor_patches(gm) -> dict:
-    """The Inductor config `gm` needs to compile to right results (bug 1); {} for most graphs."""
-    return _region_patches() if _calls_regions(gm) else {}
+    """The Inductor config `gm` needs to compile, and to right results (bugs 1 and 6); {} for most graphs."""
+    return {**(_region_patches() if _calls_regions(gm) else {}), **_checkpoint_rng_patches(gm)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,11 +116,12 @@ def _compile_fx_avoiding_bugs(compile_fx):
     @functools.wraps(compile_fx)
     def wrapper(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
-        if not _calls_regions(bound.arguments.get("model_")):
-            return compile_fx(*args, **kwargs)  # most graphs: as torch compiles them
-        patches = _region_patches()
+        model = bound.arguments.get("model_")
+        patches = inductor_patches(model)
         if patches:
             bound.arguments["config_patches"] = {**(bound.arguments.get("config_patches") or {}), **patches}
+        if not _calls_regions(model):
+            return compile_fx(*bound.args, **bound.kwargs)
         if compat.BACKWARD_CACHE_IGNORES_TANGENT_ALIASING:
             # AOTAutograd's cache keys on the Dynamo graph: it cannot tell artifacts traced with
             # bug 2 from ours. The per-graph Inductor cache still applies.
@@ -166,7 +198,8 @@ def _patch_points():
 
     wrap_module = importlib.import_module("torch._higher_order_ops.wrap")
     points = [(wrap_module.TagActivationCheckpoint, "__call__", _checkpoint_like_eager)]
-    if compat.INDUCTOR_REUSES_REGION_BUFFERS or compat.BACKWARD_CACHE_IGNORES_TANGENT_ALIASING:
+    if compat.INDUCTOR_REUSES_REGION_BUFFERS or compat.BACKWARD_CACHE_IGNORES_TANGENT_ALIASING or \
+            compat.PARTITIONER_FAILS_ON_DYNAMIC_CHECKPOINTED_RNG:
         points.append((compile_fx_module, "compile_fx", _compile_fx_avoiding_bugs))
     if compat.BACKWARD_CACHE_IGNORES_TANGENT_ALIASING:
         points.append((invoke_subgraph_module.InvokeSubgraphAutogradOp, "backward", _distinct_tangents))

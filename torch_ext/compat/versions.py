@@ -84,3 +84,8 @@ EAGER_CHECKPOINT_LOSES_RNG_STATE = TORCH_VERSION >= (2, 13)
 # mode"): 2.9.1, also vanilla; 2.13+ compile it; 2.10-2.12 untested (inlining is right everywhere).
 # torch_ext traces such an inner region inline (a region just runs its body).
 NESTED_REGION_FAILS_AOT = TORCH_VERSION < (2, 13)
+# Inductor compiling an activation checkpoint whose body draws random numbers (dropout), with dynamic
+# shapes, in training: AOTAutograd's min-cut partitioner fails ("Node mm was invalid, but is output"),
+# vanilla too (2.9.1, 2.12.1; 2.13+ compile it; 2.10, 2.11 untested). Eager's RNG ops
+# (fallback_random) avoid it. torch_ext compiles such graphs with fallback_random=True.
+PARTITIONER_FAILS_ON_DYNAMIC_CHECKPOINTED_RNG = TORCH_VERSION < (2, 13)
