@@ -1,8 +1,10 @@
-# `make test` runs the whole suite on every supported torch version, each in its own venv.
-# The newest tested torch is the default venv (demo, bench).
+# `make test` runs the whole suite on every supported torch version, each in its own venv, two
+# versions at a time (TEST_JOBS; the output of each comes whole). The newest tested torch is the
+# default venv (demo, bench).
 PY ?= python3
-VERSIONS := 2.14.1 2.13.0 2.9.1
-NEWEST := 2.14.1
+VERSIONS := 2.15.0 2.14.1 2.13.0 2.9.1
+NEWEST := 2.15.0
+TEST_JOBS ?= 2
 PYTEST_ARGS ?=
 DEPS := expecttest pytest depyf tqdm numpy setuptools wheel transformers==5.17.0
 
@@ -11,13 +13,15 @@ VENV := $(call venv,$(NEWEST))
 
 .PHONY: test demo bench clean $(addprefix test-,$(VERSIONS))
 
-test: $(addprefix test-,$(VERSIONS))
+test:
+	$(MAKE) -k -j$(TEST_JOBS) --output-sync=target $(addprefix test-,$(VERSIONS))
 
-# One venv per torch version; the stamp file says it is complete.
+# One venv per torch version; the stamp file says it is complete. Some machines cap pip at an older
+# torch through a constraints file (PIP_CONSTRAINT): the version is pinned here instead.
 .PRECIOUS: .venv-torch%/.ready
 .venv-torch%/.ready: setup.py pyproject.toml
 	test -x $(call venv,$*)/bin/python || $(PY) -m venv $(call venv,$*)
-	$(call venv,$*)/bin/pip install -q torch==$* $(DEPS)
+	PIP_CONSTRAINT=/dev/null $(call venv,$*)/bin/pip install -q torch==$* $(DEPS)
 	$(call venv,$*)/bin/pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 

@@ -119,7 +119,7 @@ def per_instance_regions(count: int = 2):
 
 
 @pytest.mark.xfail(compat.REGION_REUSE_BINDS_FIRST_INSTANCE, strict=True, raises=AssertionError,
-                   reason="torch 2.13, 2.14: a region bound per module instance runs every instance with the "
+                   reason="torch 2.12 .. 2.15: a region bound per module instance runs every instance with the "
                    "first instance's parameters")
 def test_region_bound_per_instance_uses_each_instance_parameters():
     stack = per_instance_regions()
@@ -164,7 +164,7 @@ def checkpoint_grad_error(program):
 
 
 @pytest.mark.xfail(compat.EAGER_CHECKPOINT_LOSES_RNG_STATE, strict=True, raises=AssertionError,
-                   reason="torch 2.13, 2.14: a checkpoint under backend='eager' recomputes dropout with a new mask")
+                   reason="torch 2.12 .. 2.15: a checkpoint under backend='eager' recomputes dropout with a new mask")
 def test_eager_backend_checkpoint_recomputes_dropout_with_its_mask():
     assert checkpoint_grad_error(checkpointed_dropout) < 1e-5
 

@@ -23,7 +23,7 @@ from torch_ext import compat
 EXPECTED_DIR = Path(os.environ.get("TORCH_EXT_EXPECTED_DIR", Path(__file__).resolve().parent.parent / "expected"))
 
 
-SNAPSHOT_PRIMARY_VERSION = (2, 14)  # the newest tested torch; `make test` runs it first
+SNAPSHOT_PRIMARY_VERSION = (2, 14)  # it and newer ones (2.15 prints the same) write the shared files
 
 
 def _version_tag() -> str:

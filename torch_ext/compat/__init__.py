@@ -1,4 +1,4 @@
-"""Every difference between the torch versions torch_ext supports (2.9.1 .. 2.14.1), and nothing else.
+"""Every difference between the torch versions torch_ext supports (2.9.1 .. 2.15.0), and nothing else.
 
 No other module branches on the torch version: they import the Dynamo internals they need from here.
 
