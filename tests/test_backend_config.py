@@ -20,6 +20,8 @@ from torch_ext.hops.splitting_op import declared_splitting_ops, splitting_op
 @pytest.mark.parametrize("kwargs, field, hint", [
     (dict(splitting_ops=["torch_ext_test::no_such_op"]), "splitting_ops", "Define it"),
     (dict(splitting_ops=["attention"]), "splitting_ops", "namespace::name"),
+    (dict(splitting_ops=["torch.nn.functional.no_such_function"]), "splitting_ops", "module.function"),
+    (dict(splitting_ops=["torch.nn.functional.Tensor.shape"]), "splitting_ops", "can be imported"),
     (dict(splitting_ops="torch_ext_test::attention"), "splitting_ops", "sequence"),
     (dict(compile_sizes=[8, -1]), "compile_sizes", "positive"),
     (dict(compile_sizes=[8, 2.5]), "compile_sizes", "not an int"),
@@ -48,6 +50,8 @@ def test_fields_are_normalized():
                         compile_sizes=[32, 8, 8], cudagraph_capture_sizes=[4, 1],
                         cache_dir="~/somewhere", inductor_options={"max_autotune": False})
     assert cfg.splitting_ops == ("torch_ext_test::attention", "torch_ext_test::attention_fn")
+    function = CompileConfig(splitting_ops=[torch.nn.functional.multi_head_attention_forward])
+    assert function.splitting_ops == ("torch.nn.functional.multi_head_attention_forward",)
     assert cfg.compile_sizes == (8, 32)
     assert cfg.cudagraph_capture_sizes == (1, 4)
     assert cfg.cache_dir == os.path.join(os.path.expanduser("~"), "somewhere")

@@ -243,3 +243,41 @@ def test_unmatched_splitting_op_in_a_single_graph_is_said_at_its_second_call(cap
             compiled(torch.randn(2, 5, 16))
     messages = [r.getMessage() for r in caplog.records if "matches no call" in r.getMessage()]
     assert len(messages) == 1 and "aten::softmax matches no call in graph 0" in messages[0], messages
+
+
+def test_split_at_a_python_function_dynamo_keeps_as_one_call(caplog):
+    """torch.nn.TransformerEncoder: Dynamo records nn.MultiheadAttention as one call of
+    F.multi_head_attention_forward, never SDPA. Naming SDPA says so and points at that function;
+    naming the function splits there, training and eval match eager."""
+    import copy
+
+    import torch_ext
+    from torch_ext.backend import counters
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, batch_first=True, dropout=0.0)
+    model = torch.nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
+    reference = copy.deepcopy(model)
+    sdpa = torch_ext.CompileConfig(splitting_ops=["aten::scaled_dot_product_attention"], cache_dir=None)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="torch_ext.backend"):
+        compiled = torch.compile(model, backend=torch_ext.backend(sdpa))
+        for _ in range(2):
+            compiled(torch.randn(2, 5, 16))
+    said = [r.getMessage() for r in caplog.records if "matches no call" in r.getMessage()]
+    assert len(said) == 1 and "torch.nn.functional.multi_head_attention_forward" in said[0], said
+
+    torch._dynamo.reset()
+    counters.reset()
+    config = torch_ext.CompileConfig(splitting_ops=[torch.nn.functional.multi_head_attention_forward], cache_dir=None)
+    compiled = torch.compile(model, backend=torch_ext.backend(config))
+    for batch in (2, 3):
+        x = torch.randn(batch, 5, 16)
+        out, expected = compiled(x), reference(x)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=name)
+        model.zero_grad()
+        reference.zero_grad()
+    assert counters.splitting_op_calls == 3 * counters.graphs_seen

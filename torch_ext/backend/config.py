@@ -28,6 +28,7 @@ CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
 HOP_SPLIT_MODES = ("inline", "in_body")
 
 _OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
+_FUNCTION_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")  # module.function
 
 
 def default_cache_dir() -> str:
@@ -74,11 +75,16 @@ def op_name(op: Any) -> str:
     qualname = getattr(op, "_qualname", None)  # torch.library.custom_op's CustomOpDef
     if isinstance(qualname, str):
         return qualname
+    if callable(op) and "<locals>" not in getattr(op, "__qualname__", "<locals>"):
+        return f"{op.__module__}.{op.__qualname__}"  # a function Dynamo keeps as one call
     raise TypeError(f"not an operator: {op!r}")
 
 
-def resolve_op(name: str) -> torch._ops.OpOverloadPacket | torch._ops.OpOverload:
-    """Look an op name up in torch.ops; raise ConfigError (naming the op and the fix) if absent."""
+def resolve_op(name: str) -> torch._ops.OpOverloadPacket | torch._ops.OpOverload | Any:
+    """Look an op name up in torch.ops (a "module.function" name: import it); raise ConfigError
+    (naming the op and the fix) if absent."""
+    if "::" not in name:
+        return _resolve_function(name)
     ns, _, rest = name.partition("::")
     base, _, overload = rest.partition(".")
     try:
@@ -99,6 +105,28 @@ def _qualified_name(obj: Any) -> str:
     return f"{target.__module__}.{target.__qualname__}"
 
 
+def _resolve_function(name: str) -> Any:
+    """A function given as "module.function" (e.g. torch.nn.functional.multi_head_attention_forward)."""
+    import importlib
+
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                value = getattr(value, attr)
+        except AttributeError:
+            break
+        if callable(value):
+            return value
+        break
+    _fail("splitting_ops", f"no function named {name!r} can be imported",
+          "Name an operator as 'namespace::name', or a function Dynamo keeps as one call as 'module.function'")
+
+
 def _as_int_tuple(field: str, value: Any) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         _fail(field, f"expected a sequence of ints, got {value!r}", f"Write e.g. {field}=(8, 32)")
@@ -114,7 +142,8 @@ def _as_int_tuple(field: str, value: Any) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class CompileConfig:
-    # Ops the graph is split at; they run eagerly between compiled pieces ("ns::name" or op objects).
+    # Ops the graph is split at; they run eagerly between compiled pieces ("ns::name" or op objects;
+    # "module.function" or the function for a Python function Dynamo keeps as one call).
     splitting_ops: tuple[str, ...] = ()
     # Sizes of the dynamic dimension (dim 0 of the batch input) compiled specifically.
     compile_sizes: tuple[int, ...] = ()
@@ -166,9 +195,9 @@ class CompileConfig:
             except TypeError:
                 _fail("splitting_ops", f"{op!r} is neither an op name nor an op",
                       'Write names like "mylib::attention"')
-            if not _OP_NAME.match(name):
-                _fail("splitting_ops", f"{name!r} is not of the form 'namespace::name[.overload]'",
-                      'Write e.g. "mylib::attention"')
+            if not (_OP_NAME.match(name) or _FUNCTION_NAME.match(name)):
+                _fail("splitting_ops", f"{name!r} is not of the form 'namespace::name[.overload]' or "
+                      "'module.function'", 'Write e.g. "mylib::attention"')
             resolve_op(name)
             if name not in names:
                 names.append(name)

@@ -178,8 +178,12 @@ def unmatched_splitting_ops(gm: fx.GraphModule, matcher: SplittingOpMatcher) -> 
     unmatched = {}
     for name in matcher.names:
         if name not in matched:
-            wanted = name.replace("::", ".").split(".")[1] if "::" in name else name
-            unmatched[name] = [bare[b] for b in difflib.get_close_matches(wanted, list(bare), n=3, cutoff=0.5)]
+            wanted = name.replace("::", ".").split(".")[1] if "::" in name else name.rsplit(".", 1)[-1]
+            close = difflib.get_close_matches(wanted, list(bare), n=3, cutoff=0.5)
+            # ...and calls sharing a long word with it: `multi_head_attention_forward` for an attention op
+            words = {w for w in wanted.split("_") if len(w) >= 5}
+            close += [b for b in bare if b not in close and words & set(b.split("_"))]
+            unmatched[name] = [bare[b] for b in close[:4]]
     return unmatched
 
 
