@@ -104,9 +104,9 @@ class UnusedConfigReporter:
         others = set().union(*(free_symbols(p.example_inputs) for p in skipped)) - {group.symbol}
         log.warning("torch_ext: compile_sizes %s do not apply to %d of %d pieces of graph %d: besides the batch "
                     "(%s) they have dynamic dims (%s), and a size variant would specialize them; those pieces "
-                    "run their range/general compile. To compile per batch size, mark only the batch dim "
-                    "dynamic (torch._dynamo.mark_dynamic(x, 0), not dynamic=True), or mark the other dims "
-                    "static.", list(self.config.compile_sizes), len(skipped), len(group.pieces), index,
+                    "run their range/general compile. Sizes apply where only the batch dim is dynamic: mark it "
+                    "(torch._dynamo.mark_dynamic(x, 0)) rather than passing dynamic=True, and keep the other "
+                    "dims fixed (pad them; torch._dynamo.mark_static(x, 1) stops Dynamo making them dynamic).", list(self.config.compile_sizes), len(skipped), len(group.pieces), index,
                     _where_symbols(gm, {group.symbol}), _where_symbols(gm, others))
 
 
