@@ -3,7 +3,7 @@
 Repeated calls of one region share one subgraph: torch's `install_subgraph_in_output_graph`
 (inherited) finds an identical previously installed body and reuses its name.
 invoke_subgraph is not inlined before autograd, so its outputs may not alias its inputs.
-On torch < 2.12 a region called inside another HOP's body is traced inline (compat.NESTED_REGION_FAILS_AOT).
+On torch < 2.11 a region called inside another HOP's body is traced inline (compat.NESTED_REGION_FAILS_AOT).
 """
 from __future__ import annotations
 

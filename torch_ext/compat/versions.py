@@ -81,9 +81,9 @@ REGION_REUSE_BINDS_FIRST_INSTANCE = TORCH_VERSION >= (2, 12)
 EAGER_CHECKPOINT_LOSES_RNG_STATE = TORCH_VERSION >= (2, 12)
 # A nested_compile_region called inside another HOP body (a region, a checkpoint) fails AOTAutograd's
 # trace when gradients are needed ("fake mode from tracing context doesn't match mode from active fake
-# mode"): 2.9.1, also vanilla; 2.12.1+ compile it; 2.10, 2.11 untested (inlining is right everywhere).
+# mode"): 2.9.1, also vanilla; 2.11+ compile it; 2.10 untested (inlining is right everywhere).
 # torch_ext traces such an inner region inline (a region just runs its body).
-NESTED_REGION_FAILS_AOT = TORCH_VERSION < (2, 12)
+NESTED_REGION_FAILS_AOT = TORCH_VERSION < (2, 11)
 # Inductor compiling an activation checkpoint whose body draws random numbers (dropout), with dynamic
 # shapes, in training: AOTAutograd's min-cut partitioner fails ("Node mm was invalid, but is output"),
 # vanilla too (2.9.1, 2.12.1; 2.13+ compile it; 2.10, 2.11 untested). Eager's RNG ops
