@@ -6,15 +6,19 @@ VERSIONS := 2.15.0 2.14.1 2.13.0 2.9.1
 NEWEST := 2.15.0
 TEST_JOBS ?= 2
 PYTEST_ARGS ?=
-DEPS := expecttest pytest depyf tqdm numpy setuptools wheel transformers==5.17.0
+DEPS := expecttest pytest depyf tqdm numpy setuptools wheel transformers==5.17.0 import-linter
 
 venv = .venv-torch$(1)
 VENV := $(call venv,$(NEWEST))
 
-.PHONY: test demo bench clean $(addprefix test-,$(VERSIONS))
+.PHONY: test lint demo bench clean $(addprefix test-,$(VERSIONS))
 
-test:
+test: lint
 	$(MAKE) -k -j$(TEST_JOBS) --output-sync=target $(addprefix test-,$(VERSIONS))
+
+# The layering (docs/ARCHITECTURE.md) and no import circles, as contracts in .importlinter.
+lint: $(VENV)/.ready
+	$(VENV)/bin/lint-imports
 
 # One venv per torch version; the stamp file says it is complete. Some machines cap pip at an older
 # torch through a constraints file (PIP_CONSTRAINT): the version is pinned here instead.

@@ -321,7 +321,7 @@ def bench(args) -> int:
             return 1
 
     import torch_ext.backend.dispatch as dispatch
-    from torch_ext.backend.cudagraph import capture_sizes, cudagraph_stats
+    from torch_ext.backend.runtime.cudagraph.manager import capture_sizes, cudagraph_stats
 
     define_attention()
     logging.basicConfig(format="%(name)s: %(message)s")
@@ -367,7 +367,7 @@ def bench(args) -> int:
                     results[(name, b)] = time_steps(lambda x: fn(x, caches, POS), inputs[b], args.iters)
                     if cudagraph_stats.uncaptured_runs != uncaptured:  # a region fell back to running without graphs
                         print(f"[{name}] B={b}: {cudagraph_stats.uncaptured_runs - uncaptured} uncaptured region runs "
-                              "while timing (see the torch_ext.backend.cudagraph log)", flush=True)
+                              "while timing (see the torch_ext.backend.runtime.cudagraph.manager log)", flush=True)
             if name in INTERLEAVED:
                 kept[name] = fn
             errors[name] = max(errs.values())

@@ -98,8 +98,8 @@ def main() -> int:
     D.define_attention()
 
     from torch_ext.backend import make_backend
-    from torch_ext.backend.cudagraph import CudaGraphRunner, capture_sizes
-    from torch_ext.backend.dispatch import GuardFreeDispatcher
+    from torch_ext.backend.runtime.cudagraph.manager import CudaGraphRunner, capture_sizes
+    from torch_ext.backend.dispatch.dispatcher import GuardFreeDispatcher
 
     batches = [int(b) for b in args.batches.split(",")]
     model, caches = D.build(args.layers, max(batches))

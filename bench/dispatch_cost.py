@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from table import print_table  # noqa: E402
 from torch_ext.backend import CompileConfig, make_backend  # noqa: E402
-from torch_ext.backend.dispatch import GuardFreeDispatcher  # noqa: E402
+from torch_ext.backend.dispatch.dispatcher import GuardFreeDispatcher  # noqa: E402
 
 HIDDEN, MAX_BATCH, MAX_POS = 64, 8, 16
 

@@ -242,7 +242,7 @@ def main() -> int:
     os.environ.setdefault("TORCH_EXT_BENCH_CACHE_ROOT", tempfile.mkdtemp(prefix="torch_ext_hf_decode_"))
     dynamo = torch._dynamo.config  # every column compiles the same forward, one graph per batch size each
     dynamo.recompile_limit = dynamo.accumulated_recompile_limit = 64
-    from torch_ext.backend.dispatch import GuardFreeDispatchWarning
+    from torch_ext.backend.dispatch.dispatcher import GuardFreeDispatchWarning
 
     warnings.filterwarnings("ignore", category=GuardFreeDispatchWarning)  # a new batch size compiles: by design
 

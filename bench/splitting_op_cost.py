@@ -10,7 +10,7 @@ wrapping the same Python function, timed in interleaved rounds (median of the ro
                        direct_register_custom_op; gradients through it are not checked)
   autograd=False       torch_ext's splitting_op(..., autograd=False)
   custom_op            torch_ext's splitting_op(...) (torch.library.custom_op)
-  custom_op direct     that op through torch_ext's direct caller (backend/direct_call.py), as the
+  custom_op direct     that op through torch_ext's direct caller (backend/runtime/direct_call.py), as the
                        piecewise CUDA-graph runner calls it between replays
 Ops: "out", writes its result into a buffer it mutates (returns None); "ret", returns a new tensor.
 """
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from table import print_table  # noqa: E402
-from torch_ext.backend.direct_call import direct_caller  # noqa: E402
+from torch_ext.backend.runtime.direct_call import direct_caller  # noqa: E402
 from torch_ext.hops.splitting_op import splitting_op  # noqa: E402
 
 

@@ -107,7 +107,7 @@ def measure(model, caches, batches, args, refs, cache_dir, label: str) -> dict:
     """{column: {"ms": {b: ms}, "err": max rel err vs refs}}, from interleaved rounds over the columns.
     Dynamo is reset before each column (as in bench/decode.py); guard-free torch_ext columns stay
     valid after a reset, so plain torch.compile comes last."""
-    from torch_ext.backend.cudagraph import capture_sizes
+    from torch_ext.backend.runtime.cudagraph.manager import capture_sizes
 
     torch.manual_seed(1)  # the same inputs on every rank and in the 1-GPU phase
     inputs = {b: [torch.randn(b, D.HIDDEN, dtype=D.DTYPE, device="cuda") for _ in range(4)] for b in batches}
@@ -159,7 +159,7 @@ def rank_main(rank: int, args, batches, init_file: str, refs_path: str, result_p
         del full
         torch.cuda.empty_cache()
         refs = torch.load(refs_path)
-        # One cache dir for both ranks: graphs with collectives are keyed by rank (backend/environment.py).
+        # One cache dir for both ranks: graphs with collectives are keyed by rank (backend/compile/environment.py).
         result = measure(model, caches, batches, args, refs, cache_dir, f"2 GPUs, rank {rank}")
         print(f"[2 GPUs, rank {rank}] ms: " + "; ".join(
             f"{c}: " + ", ".join(f"B={b} {result[c]['ms'][b]:.3f}" for b in batches) for c in result), flush=True)

@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.hang_before_commit:
-        import torch_ext.backend.cache as cache
+        import torch_ext.backend.compile.cache as cache
 
         real_fsync = os.fsync
 

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from torch_ext.backend.cudagraph import CudaGraphManager, cudagraph_stats
+from torch_ext.backend.runtime.cudagraph.manager import CudaGraphManager, cudagraph_stats
 from torch_ext.hops.splitting_op import splitting_op
 
 HEADS, HEAD_DIM = 2, 8

@@ -14,12 +14,12 @@ import time
 import pytest
 import torch
 
-from torch_ext.backend.environment import environment_factors
+from torch_ext.backend.compile.environment import environment_factors
 
 import backend_models as bm
 from torch_ext.backend import CompileConfig, UnsafeCacheDirError, counters, make_backend
-from torch_ext.backend import cache as cache_mod
-from torch_ext.backend import environment, inductor_keys
+from torch_ext.backend.compile import cache as cache_mod
+from torch_ext.backend.compile import environment, inductor_keys
 
 WORKER = os.path.join(os.path.dirname(__file__), "backend_worker.py")
 # 3 layers -> 3 unique pieces; general + size 4 -> 6 artifacts.
@@ -149,7 +149,7 @@ def test_damaged_entry_is_reported_and_recompiled(tmp_path, caplog, damage):
     damage(victim)
 
     counters.reset()
-    with caplog.at_level(logging.WARNING, logger="torch_ext.backend.cache"):
+    with caplog.at_level(logging.WARNING, logger="torch_ext.backend.compile.cache"):
         _compile_and_check(tmp_path)
     assert counters.cache_damaged == 1
     assert counters.inductor_compiles == 1
@@ -291,7 +291,7 @@ def test_model_key_holds_the_rank_only_for_graphs_with_collectives(monkeypatch):
 def test_pieces_inductor_cannot_save_run_and_are_said_once(tmp_path, monkeypatch, caplog):
     """torch 2.9.1 cannot save a piece that needs gradients; such pieces run, are kept in memory,
     and the warning comes once, not once per piece."""
-    from torch_ext.backend.compiler import InductorCompiler
+    from torch_ext.backend.compile.compiler import InductorCompiler
 
     def refuse(self, *args, **kwargs):
         raise RuntimeError("no AOTAutograd entry")

@@ -1,5 +1,5 @@
 """Inputs of compiled pieces laid out otherwise than the fakes Inductor compiled them for
-(torch_ext/backend/layout.py): copied into the compiled layout, said once, results equal eager.
+(torch_ext/backend/runtime/layout.py): copied into the compiled layout, said once, results equal eager.
 
 Without the check the piece fails on Inductor's stride assert (shown side by side): Inductor returns
 `torch.cat([q * 2, q[..., 16:]], -1)` (an empty second part) as `q * 2` in q's transposed layout,
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 import hf_models as hf
 import torch_ext
-from torch_ext.backend import layout
-from torch_ext.backend.piecewise import CompiledPiece
+from torch_ext.backend.runtime import layout
+from torch_ext.backend.runtime.piecewise import CompiledPiece
 from torch_ext.hops.splitting_op import splitting_op
 
 SDPA = "aten::scaled_dot_product_attention"

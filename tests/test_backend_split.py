@@ -8,8 +8,8 @@ import torch
 import torch.fx as fx
 
 import backend_models as bm
-from torch_ext.backend.fingerprint import graph_fingerprint
-from torch_ext.backend.split import SplitError, SplittingOpMatcher, split_graph
+from torch_ext.backend.compile.fingerprint import graph_fingerprint
+from torch_ext.backend.split.splitter import SplitError, SplittingOpMatcher, split_graph
 
 MATCH = SplittingOpMatcher(("torch_ext_test::attention",))
 

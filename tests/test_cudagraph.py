@@ -12,7 +12,7 @@ from torch import nn
 
 import cudagraph_models as cm
 from torch_ext.backend import CompileConfig, make_backend
-from torch_ext.backend.cudagraph import (
+from torch_ext.backend.runtime.cudagraph.manager import (
     CudaGraphAddressError,
     capture_sizes,
     cudagraph_stats,
@@ -32,7 +32,7 @@ def fresh_stats():
 @pytest.fixture
 def fx_pieces(monkeypatch):
     """Run pieces as their FX graphs: the runner's logic does not depend on Inductor, and the CPU is slow."""
-    from torch_ext.backend.compiler import InductorCompiler
+    from torch_ext.backend.compile.compiler import InductorCompiler
 
     monkeypatch.setattr(InductorCompiler, "compile", lambda self, gm, example_inputs, variant, name="": gm)
 
@@ -262,7 +262,7 @@ def test_a_custom_op_splitting_op_is_called_without_its_python_layers(fx_pieces,
 
 
 def test_a_reused_input_found_elsewhere_runs_without_the_graph(fx_pieces, monkeypatch):
-    from torch_ext.backend.cudagraph import CudaGraphRunner
+    from torch_ext.backend.runtime.cudagraph.manager import CudaGraphRunner
 
     model = cm.TinyDecoder(layers=3)
     be = backend()
@@ -432,7 +432,7 @@ def test_piecewise_over_inductor_pieces_matches_eager():
 
 
 def test_a_failed_capture_is_a_clear_error_then_the_region_runs_without_graphs(fx_pieces):
-    from torch_ext.backend.cudagraph import CudaGraphCaptureError
+    from torch_ext.backend.runtime.cudagraph.manager import CudaGraphCaptureError
 
     class FailingOnce(cm.SimulatedCudaGraphs):
         failed = False

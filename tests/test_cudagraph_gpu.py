@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import cudagraph_models as cm
-import torch_ext.backend.dispatch
+import torch_ext
 from torch_ext.backend import CompileConfig, make_backend
-from torch_ext.backend.cudagraph import capture_sizes, cudagraph_stats
+from torch_ext.backend.runtime.cudagraph.manager import capture_sizes, cudagraph_stats
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -96,7 +96,7 @@ def test_a_splitting_op_that_syncs_leaves_the_full_graph_to_the_pieces():
 
 def test_guard_free_dispatch_with_cuda_graphs_serves_batch_one_from_the_symbolic_graph():
     model = cm.TinyDecoder(layers=2).cuda()
-    compiled = torch_ext.backend.dispatch.compile(model, config("piecewise", guard_free_dispatch=True))
+    compiled = torch_ext.compile(model, config("piecewise", guard_free_dispatch=True))
     gk, gv = model.caches("cuda")
     ek, ev = [t.clone() for t in gk], [t.clone() for t in gv]
     for i, n in enumerate([8, 1, 1, 1, 3, 3, 3]):
@@ -112,10 +112,10 @@ def test_guard_free_dispatch_with_cuda_graphs_serves_batch_one_from_the_symbolic
 def test_guard_free_dispatch_in_natural_call_order_matches_eager(mode):
     """Batch 1 first compiles the batch dim as 1; the batch-8 call used to replay into it (broadcast
     error). Now it recompiles once, with a GuardFreeDispatchWarning, and every call matches eager."""
-    from torch_ext.backend.dispatch import GuardFreeDispatchWarning
+    from torch_ext.backend.dispatch.dispatcher import GuardFreeDispatchWarning
 
     model = cm.TinyDecoder(layers=2).cuda()
-    compiled = torch_ext.backend.dispatch.compile(model, config(mode, guard_free_dispatch=True, compile_sizes=(1, 8)))
+    compiled = torch_ext.compile(model, config(mode, guard_free_dispatch=True, compile_sizes=(1, 8)))
     gk, gv = model.caches("cuda")
     ek, ev = [t.clone() for t in gk], [t.clone() for t in gv]
     with pytest.warns(GuardFreeDispatchWarning, match=r"size mismatch at index 0. expected 1, actual 8"):

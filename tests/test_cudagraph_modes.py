@@ -12,7 +12,7 @@ from torch import nn
 import cudagraph_models as cm
 from test_cudagraph import backend, fresh_stats, fx_pieces, run_against_eager  # noqa: F401 (fixtures)
 from torch_ext.backend import CompileConfig, ConfigError, make_backend
-from torch_ext.backend.cudagraph import CudaGraphCaptureError, cudagraph_stats
+from torch_ext.backend.runtime.cudagraph.manager import CudaGraphCaptureError, cudagraph_stats
 from torch_ext.hops.splitting_op import splitting_op
 
 

@@ -1,4 +1,4 @@
-"""backend/direct_call.py: a torch.library.custom_op called without its Python layers only where
+"""backend/runtime/direct_call.py: a torch.library.custom_op called without its Python layers only where
 none of them is needed; everywhere else the op itself runs (autograd, modes, autocast, subclasses)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch._library.custom_ops import OPDEFS
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torch_ext.backend.direct_call import call_directly, direct_caller
+from torch_ext.backend.runtime.direct_call import call_directly, direct_caller
 
 
 @torch.library.custom_op("torch_ext_direct::scale_into", mutates_args=("out",))

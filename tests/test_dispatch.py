@@ -12,14 +12,15 @@ from torch import nn
 import cudagraph_models as cm
 import torch_ext
 from torch_ext.backend import CompileConfig, counters
-from torch_ext.backend.cudagraph import CudaGraphBufferMutationError
-from torch_ext.backend.dispatch import GuardFreeDispatcher, buffer_assignments
+from torch_ext.backend.runtime.cudagraph.errors import CudaGraphBufferMutationError
+from torch_ext.backend.dispatch import GuardFreeDispatcher
+from torch_ext.backend.runtime.cudagraph.buffer_stores import buffer_assignments
 
 
 @pytest.fixture(autouse=True)
 def fx_pieces(monkeypatch):
     """Pieces run as FX graphs (what is tested here is around them)."""
-    from torch_ext.backend.compiler import InductorCompiler
+    from torch_ext.backend.compile.compiler import InductorCompiler
 
     monkeypatch.setattr(InductorCompiler, "compile", lambda self, gm, example_inputs, variant, name="": gm)
     counters.reset()
@@ -44,7 +45,7 @@ class Scaled(nn.Module):
 
 def test_later_calls_run_the_transformed_code_without_guards():
     model = Scaled()
-    compiled = torch_ext.backend.dispatch.compile(model, config())
+    compiled = torch_ext.compile(model, config())
     assert isinstance(compiled, GuardFreeDispatcher)
     x = torch.randn(4, 8)
     torch._dynamo.mark_dynamic(x, 0)
@@ -65,7 +66,7 @@ def test_later_calls_run_the_transformed_code_without_guards():
 
 def test_batch_one_and_other_sizes_reuse_the_first_symbolic_graph():
     model = cm.TinyDecoder(layers=2)
-    compiled = torch_ext.backend.dispatch.compile(model, config())
+    compiled = torch_ext.compile(model, config())
     ek, ev = model.caches()
     ck, cv = [t.clone() for t in ek], [t.clone() for t in ev]
     for i, n in enumerate([4, 1, 7, 1, 2]):
@@ -81,7 +82,7 @@ def test_batch_one_and_other_sizes_reuse_the_first_symbolic_graph():
 
 
 def test_transformed_code_is_decompiled_into_the_debug_dir(tmp_path):
-    compiled = torch_ext.backend.dispatch.compile(Scaled(), config(debug_dump_dir=str(tmp_path)))
+    compiled = torch_ext.compile(Scaled(), config(debug_dump_dir=str(tmp_path)))
     compiled(torch.randn(3, 8))
     (path,) = glob.glob(os.path.join(tmp_path, "guard_free_*_forward.py"))
     text = open(path).read()
@@ -92,12 +93,12 @@ def test_plain_functions_and_the_default_path():
     def f(x, y):
         return torch.sin(x) + y
 
-    compiled = torch_ext.backend.dispatch.compile(f, config())
+    compiled = torch_ext.compile(f, config())
     x = torch.randn(3)
     for _ in range(3):
         torch.testing.assert_close(compiled(x, x), f(x, x))
     assert compiled.calls == 1
-    not_guard_free = torch_ext.backend.dispatch.compile(Scaled(), config(guard_free_dispatch=False))
+    not_guard_free = torch_ext.compile(Scaled(), config(guard_free_dispatch=False))
     assert isinstance(not_guard_free, torch._dynamo.eval_frame.OptimizedModule)
 
 
@@ -112,7 +113,7 @@ def _call(compiled, model):
 @pytest.mark.filterwarnings("ignore:torch_ext. cudagraph_mode")
 def test_buffer_assignment_with_cuda_graphs_shows_the_offending_code():
     model = cm.AssignsBuffer()
-    compiled = torch_ext.backend.dispatch.compile(model, config(cudagraph_mode="piecewise"))
+    compiled = torch_ext.compile(model, config(cudagraph_mode="piecewise"))
     with pytest.raises(CudaGraphBufferMutationError, match=r"(?s)assigns module buffers.*>>> [^\n]*_buffers[^\n]*\.update\("):
         _call(compiled, model)
     # Through plain torch.compile, Dynamo wraps the error; the message is still ours.
@@ -123,7 +124,7 @@ def test_buffer_assignment_with_cuda_graphs_shows_the_offending_code():
     # Without CUDA graphs the assignment is fine.
     torch._dynamo.reset()
     model = cm.AssignsBuffer()
-    _call(torch_ext.backend.dispatch.compile(model, config()), model)
+    _call(torch_ext.compile(model, config()), model)
 
 
 def test_buffer_assignments_reads_bytecode():

@@ -15,8 +15,8 @@ from torch import nn
 
 import cudagraph_models as cm
 from torch_ext.backend import CompileConfig, counters, dispatch, make_backend
-from torch_ext.backend.cudagraph import cudagraph_stats
-from torch_ext.backend.dispatch import GuardFreeDispatcher, GuardFreeDispatchWarning
+from torch_ext.backend.runtime.cudagraph.manager import cudagraph_stats
+from torch_ext.backend.dispatch.dispatcher import GuardFreeDispatcher, GuardFreeDispatchWarning
 
 CAPTURE = (1, 2, 4, 8)
 
@@ -24,7 +24,7 @@ CAPTURE = (1, 2, 4, 8)
 @pytest.fixture(autouse=True)
 def fx_pieces(monkeypatch):
     """Pieces run as FX graphs (what is tested here is around them)."""
-    from torch_ext.backend.compiler import InductorCompiler
+    from torch_ext.backend.compile.compiler import InductorCompiler
 
     monkeypatch.setattr(InductorCompiler, "compile", lambda self, gm, example_inputs, variant, name="": gm)
     counters.reset()
@@ -260,7 +260,7 @@ def test_a_device_change_is_refused_by_the_check():
 
 
 def test_lists_of_tensors_are_unpacked_in_the_check_unless_aliased():
-    from torch_ext.backend.signature import CallSignature
+    from torch_ext.backend.dispatch.signature import CallSignature
 
     def f(xs, pairs):
         pass

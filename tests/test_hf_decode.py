@@ -20,7 +20,7 @@ import cudagraph_models as cm
 import hf_models as hf
 import torch_ext
 from torch_ext.backend import CompileConfig, counters, make_backend
-from torch_ext.backend.dispatch import GuardFreeDispatcher
+from torch_ext.backend.dispatch.dispatcher import GuardFreeDispatcher
 
 SDPA = "aten::scaled_dot_product_attention"
 ATOL = RTOL = 1e-5
@@ -29,7 +29,7 @@ PROMPT, STEPS, MAX_CACHE_LEN = 6, 4, 16
 
 @pytest.fixture
 def fx_pieces(monkeypatch):
-    from torch_ext.backend.compiler import InductorCompiler
+    from torch_ext.backend.compile.compiler import InductorCompiler
 
     monkeypatch.setattr(InductorCompiler, "compile", lambda self, gm, example_inputs, variant, name="": gm)
 
@@ -83,7 +83,7 @@ def test_static_cache_decode_through_torch_ext_matches_eager_and_generate(reques
         assert counters.inductor_compiles == counters.unique_pieces == hf.LAYERS + 1
 
 
-@pytest.mark.filterwarnings("ignore::torch_ext.backend.dispatch.GuardFreeDispatchWarning")  # a new batch size
+@pytest.mark.filterwarnings("ignore::torch_ext.backend.dispatch.dispatcher.GuardFreeDispatchWarning")  # a new batch size
 @pytest.mark.parametrize("mode,split", [("full", False), ("full", True), ("piecewise", True)],
                          ids=["full", "full_split", "piecewise"])
 def test_static_cache_decode_under_simulated_cuda_graphs(fx_pieces, mode, split):

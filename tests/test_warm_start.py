@@ -1,4 +1,4 @@
-"""Warm start (torch_ext/backend/warm_start.py): a new process runs the saved program without Dynamo,
+"""Warm start (torch_ext/backend/warm_start/): a new process runs the saved program without Dynamo,
 matches eager and the cold compile; calls the program was not traced for go through Dynamo; the
 entries are kept like the rest of the cache (atomic, checked, locked); the key changes with what
 changes the trace."""
@@ -21,8 +21,10 @@ import backend_models as bm
 import torch_ext
 from torch_ext import compat
 from torch_ext.backend import CompileConfig, ConfigError, counters, make_backend
-from torch_ext.backend import cache as cache_mod
-from torch_ext.backend import environment, warm_key, warm_start
+from torch_ext.backend.compile import cache as cache_mod
+from torch_ext.backend.compile import environment
+from torch_ext.backend.warm_start import key as warm_key
+from torch_ext.backend.warm_start import program as warm_start
 
 WORKER = os.path.join(os.path.dirname(__file__), "warm_worker.py")
 aot_only = pytest.mark.skipif(not compat.HAS_AOT_COMPILE, reason="this torch has no AOT compile: no warm start")
@@ -54,7 +56,7 @@ class Breaks(nn.Module):
 @pytest.fixture
 def fx_pieces(monkeypatch):
     """Pieces run as FX graphs: what is tested here is around them (they are then not cached on disk)."""
-    from torch_ext.backend.compiler import InductorCompiler
+    from torch_ext.backend.compile.compiler import InductorCompiler
 
     monkeypatch.setattr(InductorCompiler, "compile", lambda self, gm, example_inputs, variant, name="": gm)
     monkeypatch.setattr(InductorCompiler, "serialize", staticmethod(lambda artifact: None))
@@ -206,7 +208,7 @@ def test_damaged_entry_is_reported_set_aside_and_traced_again(tmp_path, fx_piece
     (path,) = entries(tmp_path)
     damage(path)
     counters.reset()
-    with caplog.at_level(logging.WARNING, logger="torch_ext.backend.cache"):
+    with caplog.at_level(logging.WARNING, logger="torch_ext.backend.compile.cache"):
         calls(new_process(model, cfg), model)
     assert counters.cache_damaged == 1 and counters.warm_start_loads == 0 and counters.warm_start_saves == 1
     assert any("damaged" in r.getMessage() and os.path.basename(path) in r.getMessage() for r in caplog.records)

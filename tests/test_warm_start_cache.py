@@ -13,8 +13,8 @@ import time
 import pytest
 
 from torch_ext import compat
-from torch_ext.backend import cache as cache_mod
-from torch_ext.backend import warm_start
+from torch_ext.backend.compile import cache as cache_mod
+from torch_ext.backend.warm_start import program as warm_start
 
 WORKER = os.path.join(os.path.dirname(__file__), "warm_worker.py")
 pytestmark = pytest.mark.skipif(not compat.HAS_AOT_COMPILE, reason="this torch has no AOT compile: no warm start")

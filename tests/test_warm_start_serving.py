@@ -9,7 +9,7 @@ import cudagraph_models as cm
 import torch_ext
 from torch_ext import compat
 from torch_ext.backend import CompileConfig, counters
-from torch_ext.backend.cudagraph import CudaGraphBufferMutationError
+from torch_ext.backend.runtime.cudagraph.manager import CudaGraphBufferMutationError
 
 pytestmark = [pytest.mark.skipif(not compat.HAS_AOT_COMPILE, reason="this torch has no AOT compile: no warm start"),
               pytest.mark.filterwarnings("ignore:torch_ext. cudagraph_mode")]
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.skipif(not compat.HAS_AOT_COMPILE, reason="this torch 
 
 @pytest.fixture(autouse=True)
 def fx_pieces(monkeypatch):
-    from torch_ext.backend.compiler import InductorCompiler
+    from torch_ext.backend.compile.compiler import InductorCompiler
 
     monkeypatch.setattr(InductorCompiler, "compile", lambda self, gm, example_inputs, variant, name="": gm)
     monkeypatch.setattr(InductorCompiler, "serialize", staticmethod(lambda artifact: None))

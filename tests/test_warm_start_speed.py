@@ -11,8 +11,9 @@ import torch.fx as fx
 
 import backend_models as bm
 from torch_ext import compat
-from torch_ext.backend import inductor_keys, warm_graph
-from torch_ext.backend.split import SplittingOpMatcher
+from torch_ext.backend.compile import example_values, inductor_keys
+from torch_ext.backend.warm_start import saved_graph as warm_graph
+from torch_ext.backend.split.splitter import SplittingOpMatcher
 from test_warm_start import aot_only, run_worker
 
 
@@ -53,9 +54,9 @@ def test_saved_graph_keeps_values_where_pieces_meet_and_restores_the_rest():
         if node.op == "placeholder" or crosses:
             assert after[node.name] is not None, node.format_node()
 
-    assert all(n.meta.get(warm_graph.VALUE_DROPPED) for n in dropped)
-    warm_graph.restore_example_values(loaded)
-    assert not any(warm_graph.VALUE_DROPPED in n.meta for n in loaded.graph.nodes)
+    assert all(n.meta.get(example_values.VALUE_DROPPED) for n in dropped)
+    example_values.restore_example_values(loaded)
+    assert not any(example_values.VALUE_DROPPED in n.meta for n in loaded.graph.nodes)
     restored = _values(loaded)
     for node in dropped:
         value, original = restored[node.name], before[node.name]
@@ -69,7 +70,7 @@ def test_restore_leaves_graphs_that_were_not_loaded_alone():
         gm = _dynamo_graph(model, bm.batch(4, dynamic=True), model.caches())
     node = next(n for n in gm.graph.nodes if n.op == "call_function" and "example_value" in n.meta)
     node.meta.pop("example_value")  # a value Dynamo did not record: nothing to restore, nothing run
-    warm_graph.restore_example_values(gm)
+    example_values.restore_example_values(gm)
     assert "example_value" not in node.meta and "val" not in node.meta
 
 
@@ -133,7 +134,7 @@ class WritesAView(torch.nn.Module):
 
 @aot_only
 def test_saved_graph_still_shows_which_inputs_are_written_through_views():
-    from torch_ext.backend.graph_writes import written_placeholders
+    from torch_ext.backend.split.graph_writes import written_placeholders
 
     x = torch.randn(4, 8)
     torch._dynamo.mark_dynamic(x, 0)

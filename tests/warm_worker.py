@@ -66,11 +66,11 @@ def main() -> None:
     codecache.build_code_hash = lambda *a, **k: (hashed_torch.append(1), real_hash(*a, **k))[1]
 
     if args.fx_pieces:
-        from torch_ext.backend.compiler import InductorCompiler
+        from torch_ext.backend.compile.compiler import InductorCompiler
 
         InductorCompiler.compile = lambda self, gm, example_inputs, variant, name="": gm
     if args.hang_before_commit:
-        import torch_ext.backend.cache as cache
+        import torch_ext.backend.compile.cache as cache
 
         real_fsync = os.fsync
 

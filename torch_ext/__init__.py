@@ -26,7 +26,7 @@ def __getattr__(name):
         backend_pkg = importlib.import_module("torch_ext.backend")  # callable, like make_backend
         return backend_pkg if name == "backend" else backend_pkg.CompileConfig
     if name == "compile":  # torch.compile with the torch_ext backend (guard-free dispatch if configured)
-        from torch_ext.backend.dispatch import compile
+        from torch_ext.backend.dispatch.entry import compile
 
         return compile
     raise AttributeError(f"module 'torch_ext' has no attribute {name!r}")

@@ -21,7 +21,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_
 
 import torch_ext
 from torch_ext import compat
-from torch_ext.backend.cache import UnsafeCacheDirError, ensure_private_dir
+from torch_ext.backend.compile.cache import UnsafeCacheDirError, ensure_private_dir
 from torch_ext.backend.config import default_cache_dir
 
 ENV_PREFIXES = ("TORCH_EXT_", "TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE", "TORCH_LOGS", "XDG_CACHE_HOME",

@@ -2,17 +2,22 @@
 
     torch.compile(model, backend="torch_ext")                       # default CompileConfig
     torch.compile(model, backend=torch_ext.backend(CompileConfig(splitting_ops=["mylib::attention"])))
+
+Stages, each a subpackage whose docstring says what it owns and may import; data flows one way:
+Dynamo graph -> split/ -> compile/ (with passes/) -> runtime/ (pieces, CUDA graphs). backend.py
+(the Dynamo backend) drives them; warm_start/ and dispatch/ stand on top. config, counters and
+dump sit below every stage. The layering is a contract CI checks (.importlinter).
 """
 from __future__ import annotations
 
 import sys
 
 from torch_ext.backend.backend import TorchExtBackend
-from torch_ext.backend.cache import UnsafeCacheDirError
-from torch_ext.backend.compiler import Variant, current_compile_variant
+from torch_ext.backend.compile.cache import UnsafeCacheDirError
+from torch_ext.backend.compile.compiler import Variant, current_compile_variant
 from torch_ext.backend.config import CompileConfig, ConfigError
 from torch_ext.backend.counters import counters
-from torch_ext.backend.split import SplitError
+from torch_ext.backend.split.splitter import SplitError
 
 __all__ = [
     "CompileConfig",

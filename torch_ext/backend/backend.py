@@ -16,16 +16,18 @@ import torch.fx as fx
 
 from torch_ext import compat
 from torch_ext.install import install, is_installed
-from torch_ext.backend import dispatch, dump
-from torch_ext.backend.builder import PieceGroup, VariantBuilder
-from torch_ext.backend.cache import ArtifactStore, UnsafeCacheDirError, ensure_private_dir, model_key
-from torch_ext.backend.compiler import InductorCompiler
-from torch_ext.backend.cudagraph import CudaGraphManager
+from torch_ext.backend import dump
+from torch_ext.backend.compile.builder import VariantBuilder
+from torch_ext.backend.compile.cache import ArtifactStore, UnsafeCacheDirError, ensure_private_dir, model_key
+from torch_ext.backend.compile.compiler import InductorCompiler
+from torch_ext.backend.runtime.cudagraph.buffer_stores import expect_transformed_code
+from torch_ext.backend.runtime.cudagraph.manager import CudaGraphManager
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.counters import counters
-from torch_ext.backend.environment import environment_factors
-from torch_ext.backend.piecewise import batch_symbol
-from torch_ext.backend.split import INLINABLE_HOPS, SplitGraph, SplittingOpMatcher, hop_name, split_graph
+from torch_ext.backend.compile.environment import environment_factors
+from torch_ext.backend.runtime.piece_group import PieceGroup
+from torch_ext.backend.runtime.piecewise import batch_symbol
+from torch_ext.backend.split.splitter import INLINABLE_HOPS, SplitGraph, SplittingOpMatcher, hop_name, split_graph
 from torch_ext.backend.unused_config import UnusedConfigReporter
 
 log = logging.getLogger("torch_ext.backend")
@@ -48,7 +50,7 @@ class TorchExtBackend:
         self.unused_config = UnusedConfigReporter(self.config, self.matcher)
         self.last_store_key: str | None = None  # the piece cache's directory key of the last graph
         self._said_warm = False
-        self.warm_start_used = False  # set by torch_ext.compile when it serves warm starts (warm_start.py)
+        self.warm_start_used = False  # set by torch_ext.compile when it serves warm starts (warm_start/program.py)
         if self.config.cache_dir and os.path.exists(self.config.cache_dir):
             ensure_private_dir(self.config.cache_dir)  # refuse an unsafe directory early
 
@@ -57,7 +59,7 @@ class TorchExtBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs, *, store_key: str | None = None) -> fx.GraphModule:
         """Compile a Dynamo graph. `store_key`: the piece cache's directory key saved with a warm-start
-        entry (warm_start.py), where no Dynamo trace is there to derive it from."""
+        entry (warm_start/program.py), where no Dynamo trace is there to derive it from."""
         if self.config.warm_start and not self.warm_start_used and not self._said_warm:
             self._said_warm = True
             log.warning("torch_ext: CompileConfig.warm_start applies to torch_ext.compile(model, config); "
@@ -88,7 +90,7 @@ class TorchExtBackend:
         if self.cudagraphs is not None:
             graph_info = self.cudagraphs.prepare(gm, self.matcher, f"graph {index}")
             # Module state assigned by the frame (not in the graph) would move what graphs read in place.
-            dispatch.expect_transformed_code(f"cudagraph_mode={self.config.cudagraph_mode!r}")
+            expect_transformed_code(f"cudagraph_mode={self.config.cudagraph_mode!r}")
         self._install_runners(split, group, dumper)
         self.unused_config.graph(gm, index, group, split.split_gm)
         self._compile_general(group)

@@ -157,7 +157,7 @@ class CompileConfig:
     # Compile pieces with identical graphs once and share the result.
     dedup: bool = True
     # Splitting ops inside HOP bodies: "inline" the HOP into its caller before the split (default,
-    # measured faster at run time, see split.py), or split "in_body" and share the split body.
+    # measured faster at run time, see split/splitter.py), or split "in_body" and share the split body.
     hop_split: str = "inline"
     # Inductor CustomGraphPass-style passes run post-grad through torch_ext.backend.passes.PassManager.
     post_grad_passes: tuple[Any, ...] = dataclasses.field(default=(), hash=False)
@@ -178,7 +178,7 @@ class CompileConfig:
     cudagraph_check_addresses: bool = False
     guard_free_dispatch: bool = False
     # torch_ext.compile saves the traced program beside the pieces and a new process loads it without
-    # tracing (backend/warm_start.py). None: on where a cache_dir is set and torch has AOT compile
+    # tracing (backend/warm_start/). None: on where a cache_dir is set and torch has AOT compile
     # (2.13+); True: the same, said once where it cannot be; False: off.
     warm_start: bool | None = None
 

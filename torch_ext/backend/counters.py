@@ -19,7 +19,7 @@ class BackendCounters:
     backend_seconds: float = 0.0  # wall time in the backend call (split, compile or load, install)
     compile_seconds: float = 0.0  # wall time inside Inductor (also lazy per-size compiles)
     load_seconds: float = 0.0  # wall time loading cached artifacts
-    # Warm start (backend/warm_start.py): programs loaded without tracing, saved after a trace, and
+    # Warm start (backend/warm_start/): programs loaded without tracing, saved after a trace, and
     # calls that went through torch.compile instead (no entry usable, or inputs it was not saved for).
     warm_start_loads: int = 0
     warm_start_saves: int = 0

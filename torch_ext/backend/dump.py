@@ -48,6 +48,19 @@ class DebugDumper:
         self.write(relative, (f"# {header}\n" if header else "") + readable(gm))
 
 
+def decompile(code) -> str:
+    """Python source for Dynamo's transformed code (depyf), or its disassembly where depyf can't."""
+    try:
+        import depyf
+
+        return depyf.decompile(code)
+    except Exception as e:  # depyf missing, or a bytecode it does not know
+        out = io.StringIO()
+        dis.dis(code, file=out)
+        return f"# depyf could not decompile this code ({type(e).__name__}: {e}); disassembly follows\n" + \
+            "\n".join("# " + line for line in out.getvalue().splitlines())
+
+
 def _expect_transformed_code(root: str) -> None:
     """Ask for the next bytecode Dynamo generates to be decompiled (depyf) into root."""
     global _hook_handle
@@ -62,15 +75,7 @@ def _bytecode_hook(code, new_code):
         root = _pending_transformed.pop()
         _transformed_count += 1
         path = os.path.join(root, f"transformed_{os.getpid()}_{code.co_name}_{_transformed_count}.py")
-        try:
-            import depyf
-
-            text = depyf.decompile(new_code)
-        except Exception as e:  # depyf missing or unable: the disassembly still helps
-            out = io.StringIO()
-            dis.dis(new_code, file=out)
-            text = f"# depyf could not decompile this code ({e}); disassembly follows\n" + \
-                "\n".join("# " + line for line in out.getvalue().splitlines())
+        text = decompile(new_code)
         try:
             with open(path, "w") as f:
                 f.write(f"# Dynamo's transformed code for {code.co_name} ({code.co_filename}:{code.co_firstlineno})\n")

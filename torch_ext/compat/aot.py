@@ -1,4 +1,4 @@
-"""Dynamo's AOT compile (warm start: torch_ext/backend/warm_start.py)."""
+"""Dynamo's AOT compile (warm start: torch_ext/backend/warm_start/)."""
 from __future__ import annotations
 
 import contextlib

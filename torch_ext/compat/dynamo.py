@@ -216,7 +216,7 @@ def restart_with_floats_specialized(names: list[str]):
     raise TensorifyScalarRestartAnalysis
 
 
-# --- guard-free dispatch (backend/dispatch.py, backend/signature.py) ------------------------------
+# --- guard-free dispatch (backend/dispatch/) ------------------------------
 
 def source_name(source) -> str:
     """Dynamo's name of a source, "L['caches'][0]": a method on 2.9.1, a property from 2.13."""
@@ -276,5 +276,5 @@ def global_state_reason(check) -> str:
     return check.__self__.reason()
 
 
-# --- warm start without re-tracing (backend/warm_start.py) ---------------------------------------
+# --- warm start without re-tracing (backend/warm_start/) ---------------------------------------
 #

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from torch_ext.backend.split import INLINABLE_HOPS, hop_bodies, hop_name
+from torch_ext.backend.split.splitter import INLINABLE_HOPS, hop_bodies, hop_name
 
 _NOT_DATA_WRITES = {"requires_grad_", "share_memory_", "record_stream_", "retain_grad_"}
 _INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,

@@ -1,4 +1,4 @@
-"""The torch_ext backend's compiled program as torch's AOT compile saves it (warm_start.py).
+"""The torch_ext backend's compiled program as torch's AOT compile saves it (warm_start/program.py).
 
 `SavedGraph` is what the backend hands Dynamo under warm start: the compiled split graph, plus what
 rebuilds it in another process without tracing: the Dynamo graph (pickled by torch's GraphPickler
@@ -20,6 +20,8 @@ import torch
 import torch.fx as fx
 
 from torch_ext import compat
+from torch_ext.backend.split.graph_writes import written_args
+from torch_ext.backend.compile.example_values import VALUE_DROPPED, placeholder_values
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +29,6 @@ log = logging.getLogger(__name__)
 # holds the real example tensor; module stacks hold classes of user modules).
 _DROPPED_META = ("grapharg", "nn_module_stack", "source_fn_stack", "original_aten", "from_node")
 
-# Marks a node whose example value dump_graph dropped (inside a piece).
-VALUE_DROPPED = "torch_ext_value_dropped"
 
 # The backend that loads a SavedGraph in this thread (set by warm_start around torch's deserialize).
 loading_backend: contextvars.ContextVar = contextvars.ContextVar("torch_ext_warm_backend", default=None)
@@ -68,8 +68,6 @@ def _values_to_drop(gm: fx.GraphModule, is_splitting: Callable[[fx.Node], bool])
     (graph_writes follows views by their storage). Unpickling a fake tensor costs about 0.4 ms:
     most of a 32-layer graph's values are dropped."""
     from torch._subclasses import FakeTensor
-
-    from torch_ext.backend.graph_writes import written_args
 
     segment: dict[fx.Node, int] = {}
     current = 0
@@ -123,10 +121,6 @@ def load_graph(data: bytes) -> fx.GraphModule:
         raise SavedGraphError(f"the saved graph is a {type(gm).__name__}, not a GraphModule")
     gm.recompile()
     return gm
-
-
-def placeholder_values(gm: fx.GraphModule) -> list[Any]:
-    return [n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")]
 
 
 def _fake_mode(values):
@@ -205,38 +199,3 @@ def tensor_marks(arguments: dict[str, Any]) -> dict[tuple, dict]:
     for name, value in arguments.items():
         walk((name,), value)
     return out
-
-
-def restore_example_values(gm: fx.GraphModule) -> None:
-    """Example values of the nodes dump_graph dropped, propagated again from the graph's inputs
-    (for Inductor, whose passes may read them, before it compiles a piece of a loaded graph).
-    No-op for a graph that was not loaded; best effort (Inductor traces a piece from its inputs)."""
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    for module in gm.modules():
-        if not isinstance(module, fx.GraphModule):
-            continue
-        nodes = list(module.graph.nodes)
-        missing = [n for n in nodes if n.meta.get(VALUE_DROPPED)]
-        if not missing:
-            continue
-        had_val = {n for n in nodes if "val" in n.meta}
-        inputs = placeholder_values(module)
-        mode = next((v.fake_mode for v in inputs if isinstance(v, torch._subclasses.FakeTensor)), None)
-        try:
-            if mode is None:
-                raise SavedGraphError("its inputs carry no fake tensors")
-            with mode:
-                FakeTensorProp(module, mode).propagate_dont_convert_inputs(*inputs)
-        except Exception as e:
-            log.debug("torch_ext: cannot restore example values of a loaded piece (%s: %s)", type(e).__name__, e)
-            for n in nodes:
-                if n not in had_val:
-                    n.meta.pop("val", None)
-            continue
-        for n in nodes:
-            if n not in had_val:
-                value = n.meta.pop("val", None)
-                if n in missing:
-                    n.meta["example_value"] = value
-                    del n.meta[VALUE_DROPPED]

@@ -2,76 +2,23 @@
 
 `CudaGraphRunner` owns a region's static buffers and graphs; its `__call__` is the hot path of a
 replay. The runners of one compiled graph form a `RunnerGroup` that captures a size in one forward
-call. The shared pool, capture itself and the warnings live in the manager (cudagraph.py).
+call (group.py). The shared pool, capture itself and the warnings live in the manager (manager.py).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
-import tqdm
 
-from torch_ext.backend.cudagraph_errors import CudaGraphAddressError, CudaGraphCaptureError
-from torch_ext.backend.cudagraph_stats import cudagraph_stats
-from torch_ext.backend.padding import (CONST, COPIED, PINNED, SCALAR, STATIC, TENSOR, Spec, locate_batch_size,
+from torch_ext.backend.runtime.cudagraph.group import CAPTURE, REPLAY, RunnerGroup
+from torch_ext.backend.runtime.cudagraph.errors import CudaGraphAddressError, CudaGraphCaptureError
+from torch_ext.backend.runtime.cudagraph.stats import cudagraph_stats
+from torch_ext.backend.runtime.cudagraph.padding import (CONST, COPIED, PINNED, SCALAR, STATIC, TENSOR, Spec, locate_batch_size,
                                        non_owning, size_at)
 
-if TYPE_CHECKING:
-    from torch_ext.backend.cudagraph import CudaGraphManager
-
-WARMUP, CAPTURE, REPLAY = "warmup", "capture", "replay"
 
 
-class RunnerGroup:
-    """The runners of one compiled graph. They capture a size in one forward call, in call order:
-    the leader (the first capturable runner) counts forward calls and decides when."""
-
-    def __init__(self, manager: CudaGraphManager, name: str):
-        self.manager = manager
-        self.name = name
-        self.runners: list[CudaGraphRunner] = []
-        self.leader: CudaGraphRunner | None = None
-        self.calls = 0  # forward calls, counted by the leader
-        self.steps: dict[Any, int] = {}  # capture size -> calls at it that reached the leader's slow path
-        self.capture_call: dict[Any, int] = {}  # capture size -> the call that captures it
-        self._bars: dict[Any, Any] = {}
-
-    def add(self, runner: CudaGraphRunner) -> None:
-        self.runners.append(runner)
-        # Exact-size-only runners lead only when alone: they skip padded calls, which others count on.
-        if runner.capturable and (self.leader is None or (self.leader.exact_only and not runner.exact_only)):
-            if self.leader is not None:
-                self.leader.is_leader = False
-            self.leader = runner
-            runner.is_leader = True
-
-    def phase(self, runner: CudaGraphRunner, size) -> str:
-        if runner is self.leader:
-            steps = self.steps[size] = self.steps.get(size, 0) + 1
-            if steps <= self.manager.num_warmup:
-                return WARMUP
-            if steps == self.manager.num_warmup + 1:
-                self.capture_call[size] = self.calls
-                return CAPTURE
-            return REPLAY
-        call = self.capture_call.get(size)
-        if call is None:
-            return WARMUP
-        return CAPTURE if call == self.calls else REPLAY
-
-    def captured(self, size) -> None:
-        total = sum(1 for r in self.runners if r.capturable)
-        if total < 2:
-            return
-        bar = self._bars.get(size)
-        if bar is None:
-            bar = self._bars[size] = tqdm.tqdm(
-                total=total, desc=f"torch_ext CUDA graphs {self.name} size={size}", unit="graph",
-                leave=False, disable=self.manager.bar_disabled)
-        bar.update(1)
-        if bar.n >= bar.total:
-            bar.close()
 
 
 @dataclasses.dataclass

@@ -40,9 +40,9 @@ region that writes in place into a tensor without the batch dim (outside splitti
 write padding rows into it, so such a region is only captured at exact capture siz
 
 Files: this module is the manager (analysis of the Dynamo graph, wrapping, the shared pool and
-capture); cudagraph_runner.py captures and replays one region; padding.py holds the shapes as
-functions of the batch size; graph_writes.py finds inputs written in place; cudagraph_errors.py
-and cudagraph_stats.py are imported by the dispatcher and by tests without the rest.
+capture); runner.py captures and replays one region, group.py times the captures of one graph;
+padding.py holds the shapes as functions of the batch size; split/graph_writes.py finds inputs
+written in place; errors.py and stats.py are imported by the dispatcher and by tests without the rest.
 """
 from __future__ import annotations
 
@@ -61,17 +61,18 @@ import tqdm
 
 from torch_ext import compat
 from torch_ext.backend.config import CompileConfig
-from torch_ext.backend.cudagraph_errors import (CudaGraphAddressError, CudaGraphBufferMutationError,
+from torch_ext.backend.runtime.cudagraph.errors import (CudaGraphAddressError, CudaGraphBufferMutationError,
                                                 CudaGraphCaptureError, CudaGraphError, mutation_error)
-from torch_ext.backend.cudagraph_runner import CudaGraphRunner, RunnerGroup
-from torch_ext.backend.cudagraph_stats import CudaGraphStats, cudagraph_stats
-from torch_ext.backend.direct_call import call_directly
-from torch_ext.backend.graph_writes import fake_value, written_placeholders
-from torch_ext.backend.padding import COPIED, PINNED, STATIC, TENSOR, NotCapturable, padded_size, spec_of
-from torch_ext.backend.piecewise import CompiledPiece, batch_symbol
-from torch_ext.backend.split import SplitGraph
+from torch_ext.backend.runtime.cudagraph.group import RunnerGroup
+from torch_ext.backend.runtime.cudagraph.runner import CudaGraphRunner
+from torch_ext.backend.runtime.cudagraph.stats import CudaGraphStats, cudagraph_stats
+from torch_ext.backend.runtime.direct_call import call_directly
+from torch_ext.backend.split.graph_writes import fake_value, written_placeholders
+from torch_ext.backend.runtime.cudagraph.padding import COPIED, PINNED, STATIC, TENSOR, NotCapturable, padded_size, spec_of
+from torch_ext.backend.runtime.piecewise import CompiledPiece, batch_symbol
+from torch_ext.backend.split.splitter import SplitGraph
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("torch_ext.backend.cudagraph")  # the name README documents
 
 __all__ = [
     "CudaGraphAddressError",
@@ -221,7 +222,7 @@ class CudaGraphManager:
                     for op in call_directly(sub):
                         self.note_once(("direct", op), "torch_ext: splitting op %s (torch.library.custom_op) is called "
                                        "without its Python dispatch layers between graph replays when no autograd, "
-                                       "mode or autocast needs them (backend/direct_call.py)", op)
+                                       "mode or autocast needs them (backend/runtime/direct_call.py)", op)
                     # A splitting op's partition runs eagerly between two replays, on the critical
                     # path: call its code without nn.Module.__call__ (no hooks on these partitions).
                     split_gm.__dict__[node.target] = sub.forward

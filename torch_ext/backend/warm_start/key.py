@@ -1,18 +1,18 @@
-"""What a warm-start entry is keyed on and checked against (warm_start.py): descriptions of the call,
+"""What a warm-start entry is keyed on and checked against (warm_start/program.py): descriptions of the call,
 the model and the environment that are stable across processes."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import hashlib
+import importlib.util
 import os
 import re
 
 import torch
 
-import torch_ext
 from torch_ext import compat
-from torch_ext.backend.cache import _file_digest
+from torch_ext.backend.compile.cache import _file_digest
 
 _PLAIN = (int, float, bool, str, type(None))
 
@@ -102,12 +102,9 @@ def _package_digest_cached(stamp: tuple) -> str:
 def package_digest() -> str:
     """torch_ext's own source (its VariableTrackers shape the traced graph): the torch_ext, variables
     and hops directories, by file name and content."""
-    import torch_ext.hops
-    import torch_ext.variables
-
     stamp = []
-    for package in (torch_ext, torch_ext.variables, torch_ext.hops):
-        for directory, _, files in os.walk(os.path.dirname(package.__file__)):
+    for package in ("torch_ext", "torch_ext.variables", "torch_ext.hops"):  # their files, not their code
+        for directory, _, files in os.walk(os.path.dirname(importlib.util.find_spec(package).origin)):
             for file in files:
                 if file.endswith(".py"):
                     path = os.path.join(directory, file)

@@ -37,7 +37,7 @@ from torch.fx.passes.split_module import split_module
 
 from torch_ext.backend.config import resolve_op
 from torch_ext.backend.counters import counters
-from torch_ext.backend.scalars import fold_known_numbers, localize_symbolic_scalars
+from torch_ext.backend.split.scalars import fold_known_numbers, localize_symbolic_scalars
 
 
 class SplitError(RuntimeError):

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from torch_ext import workarounds
-from torch_ext.backend import warm_graph
+from torch_ext.backend.compile.example_values import restore_example_values
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.counters import counters
 
@@ -111,7 +111,7 @@ class InductorCompiler:
         if pm is not None:
             patches["post_grad_custom_post_pass"] = pm
         options = {"config_patches": patches}
-        warm_graph.restore_example_values(gm)  # a piece of a graph a warm start loaded
+        restore_example_values(gm)  # a piece of a graph a warm start loaded
         start = time.perf_counter()
         token = _current_variant.set(variant)
         try:

@@ -18,8 +18,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from torch_ext.backend import layout
-from torch_ext.backend.compiler import GENERAL, Variant
+from torch_ext.backend.runtime import layout
+from torch_ext.backend.compile.compiler import GENERAL, Variant
 
 _MAX_MEMO_SIZES = 4096  # runtime sizes remembered per piece (beyond: resolved on every call)
 

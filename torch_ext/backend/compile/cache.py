@@ -64,7 +64,7 @@ def ensure_private_dir(path: str) -> None:
 
 
 def model_key(config_hash: str, traced_files: list[str], environment: dict[str, str]) -> str:
-    """Directory key: config, the environment (versions, hardware, rank: backend/environment.py),
+    """Directory key: config, the environment (versions, hardware, rank: backend/compile/environment.py),
     and the source of the files Dynamo traced."""
     h = hashlib.sha256()
     h.update(f"config={config_hash}\n".encode())

@@ -37,10 +37,8 @@ that store in the transformed code and raises CudaGraphBufferMutationError showi
 """
 from __future__ import annotations
 
-import dis
 import functools
 import inspect
-import io
 import logging
 import os
 import threading
@@ -53,14 +51,14 @@ import torch
 from torch import nn
 
 from torch_ext import compat
-from torch_ext.backend import warm_start as _warm_start
-from torch_ext.backend.cudagraph_errors import CudaGraphBufferMutationError, CudaGraphError
-from torch_ext.backend.signature import CallSignature
+from torch_ext.backend.dump import decompile
+from torch_ext.backend.runtime.cudagraph.errors import CudaGraphError
+from torch_ext.backend.warm_start import program as warm_program
+from torch_ext.backend.dispatch.signature import CallSignature
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GuardFreeDispatchWarning", "GuardFreeDispatcher", "buffer_assignments", "compile",
-           "expect_transformed_code"]
+__all__ = ["GuardFreeDispatchWarning", "GuardFreeDispatcher", "forward_of"]
 
 MAX_VARIANTS = 8  # armed codes per forward (Dynamo's own recompile_limit defaults to 8 as well)
 
@@ -69,92 +67,24 @@ _local = threading.local()  # the dispatcher whose call is going through torch.c
 # to another dispatcher of the same forward from its cache).
 _graph_inputs_of_code: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _hook_handle = None
-# (compile id, what) for frames in which a backend with CUDA graphs compiled a graph; the hook for
-# the same compile checks the frame's code (entries of aborted compiles are dropped).
-_pending_checks: list[tuple[Any, str]] = []
-
-_STATE_DICTS = ("_buffers", "_parameters")
 
 
 def _ensure_hook() -> None:
     global _hook_handle
     if _hook_handle is None:
-        _hook_handle = torch._dynamo.convert_frame.register_bytecode_hook(_bytecode_hook)
+        _hook_handle = torch._dynamo.convert_frame.register_bytecode_hook(_record_transformed_code)
 
 
-def expect_transformed_code(what: str) -> None:
-    """Called by a backend with CUDA graphs while Dynamo compiles a frame: check that frame's code."""
-    _pending_checks.append((torch._guards.CompileContext.current_compile_id(), what))
-    _ensure_hook()
-
-
-class GuardFreeDispatchWarning(UserWarning):
-    """A guard-free call did not match the code compiled so far and went through torch.compile."""
-
-
-def _bytecode_hook(code: types.CodeType, new_code: types.CodeType):
+def _record_transformed_code(code: types.CodeType, new_code: types.CodeType):
+    """Dynamo's transformed code of the forward a dispatcher is compiling in this thread."""
     dispatcher = getattr(_local, "dispatcher", None)
     if dispatcher is not None and code is dispatcher.code:
         dispatcher._new_code = new_code
         if dispatcher._graph_inputs is not None:
             _graph_inputs_of_code[new_code] = dispatcher._graph_inputs
-    if _pending_checks:
-        current = torch._guards.CompileContext.current_compile_id()
-        mine = [what for compile_id, what in _pending_checks if compile_id == current]
-        _pending_checks.clear()
-        found = buffer_assignments(new_code) if mine else []
-        if found:
-            raise _assignment_error(code, new_code, found, mine[-1])
     return None
-
-
-def _code_objects(code: types.CodeType):
-    yield code
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _code_objects(const)
-
-
-def buffer_assignments(code: types.CodeType) -> list[str]:
-    """Stores of module buffers/parameters in Dynamo's transformed code: it replays such an
-    assignment as `<module>._buffers.update({...})` (or `_parameters`) after the graph ran."""
-    found = []
-    for c in _code_objects(code):
-        recent: list[dis.Instruction] = []  # `m._buffers.update` or `m.__dict__['_buffers'].update`
-        for ins in dis.get_instructions(c):
-            if ins.argval == "update" and ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
-                state = [r for r in recent if r.argval in _STATE_DICTS]
-                if state:
-                    found.append(f"{state[-1].argval}.update (in {c.co_name}, bytecode offset {ins.offset})")
-            recent = (recent + [ins])[-3:]
-    return found
-
-
-def decompile(code: types.CodeType) -> str:
-    """Python source for Dynamo's transformed code (depyf), or its disassembly where depyf can't."""
-    try:
-        import depyf
-
-        return depyf.decompile(code)
-    except Exception as e:  # depyf missing, or a bytecode it does not know
-        out = io.StringIO()
-        dis.dis(code, file=out)
-        return f"# depyf could not decompile this code ({type(e).__name__}: {e}); disassembly follows\n" + \
-            "\n".join("# " + line for line in out.getvalue().splitlines())
-
-
-def _assignment_error(code, new_code, found: list[str], what: str) -> CudaGraphBufferMutationError:
-    lines = []
-    for line in decompile(new_code).splitlines():
-        marked = ".update(" in line and any(name in line for name in _STATE_DICTS)
-        lines.append((">>> " if marked else "    ") + line)
-    return CudaGraphBufferMutationError(
-        f"torch_ext: with CUDA graphs on ({what}), {code.co_name}() at "
-        f"{code.co_filename}:{code.co_firstlineno} assigns module buffers or parameters: "
-        f"{'; '.join(found)}. Captured graphs read module state in place from the addresses it had at "
-        "capture, so a newly assigned tensor would never be seen (silently stale results). Update the "
-        "existing tensor in place in a splitting op, pass it as an argument, or use cudagraph_mode='none'.\n"
-        "Dynamo's code for this forward (the store is marked >>>):\n" + "\n".join(lines))
+class GuardFreeDispatchWarning(UserWarning):
+    """A guard-free call did not match the code compiled so far and went through torch.compile."""
 
 
 def _unwrap(e: BaseException) -> BaseException:
@@ -175,7 +105,7 @@ class GuardFreeDispatcher:
 
     def __init__(self, model: nn.Module | Callable, backend: Callable, *, dynamic: bool | None = None,
                  debug_dir: str | None = None, warm_start: bool = False):
-        func, self_arg = _forward_of(model)
+        func, self_arg = forward_of(model)
         if func is None:
             raise TypeError(f"guard-free dispatch needs an nn.Module, a method or a Python function, got {model!r}")
         self.model = model
@@ -191,8 +121,8 @@ class GuardFreeDispatcher:
         self._graph_inputs: dict | None = None  # set by the backend during a guarded call
         self._noted: set = set()
         self.calls = 0  # calls that went through Dynamo (1 while every call matches the first)
-        # Warm start (warm_start.py): the first call runs, and arms, the program saved by an earlier process.
-        self.warm = _warm_start.for_forward(model, func, self_arg, backend, dynamic) if warm_start else None
+        # Warm start (warm_start/program.py): the first call runs, and arms, the program saved by an earlier process.
+        self.warm = warm_program.for_forward(model, func, self_arg, backend, dynamic) if warm_start else None
         _ensure_hook()
 
     def __repr__(self) -> str:
@@ -349,7 +279,7 @@ class GuardFreeDispatcher:
             log.warning("torch_ext: cannot write %s: %s", path, e)
 
 
-def _forward_of(model) -> tuple[Callable | None, Any]:
+def forward_of(model) -> tuple[Callable | None, Any]:
     """(function, self) of what torch.compile traces for `model`; (None, None) for other callables."""
     if isinstance(model, nn.Module):
         bound = model.forward
@@ -360,17 +290,3 @@ def _forward_of(model) -> tuple[Callable | None, Any]:
     elif isinstance(model, types.FunctionType):
         return model, None
     return None, None
-
-
-def compile(model, config=None, *, dynamic: bool | None = None):
-    """torch.compile with the torch_ext backend; with config.guard_free_dispatch, a GuardFreeDispatcher."""
-    from torch_ext.backend import make_backend
-
-    backend = make_backend(config)
-    if backend.config.guard_free_dispatch:
-        return GuardFreeDispatcher(model, backend, dynamic=dynamic, debug_dir=backend.config.debug_dump_dir,
-                                   warm_start=True)
-    compiled = torch.compile(model, backend=backend, dynamic=dynamic)
-    func, self_arg = _forward_of(model)
-    warm = _warm_start.for_forward(model, func, self_arg, backend, dynamic) if func is not None else None
-    return compiled if warm is None else _warm_start.WarmStartModule(model, compiled, warm)

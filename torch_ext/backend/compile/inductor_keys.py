@@ -18,7 +18,7 @@ import os
 import torch
 
 from torch_ext import compat
-from torch_ext.backend.cache import ArtifactStore
+from torch_ext.backend.compile.cache import ArtifactStore
 
 log = logging.getLogger(__name__)
 

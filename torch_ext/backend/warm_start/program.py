@@ -35,14 +35,16 @@ from typing import Any
 
 import torch
 
-import torch_ext
+from torch_ext import config as torch_ext_config
 from torch_ext import compat
-from torch_ext.backend import warm_graph, warm_key
-from torch_ext.backend.cache import ArtifactStore, _file_digest
+from torch_ext.backend.warm_start import key as warm_key
+from torch_ext.backend.warm_start import saved_graph as warm_graph
+from torch_ext.backend.runtime.cudagraph.buffer_stores import buffer_assignments
+from torch_ext.backend.compile.cache import ArtifactStore, _file_digest
 from torch_ext.backend.counters import counters
-from torch_ext.backend.environment import process_factors
+from torch_ext.backend.compile.environment import process_factors
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("torch_ext.backend.warm_start")  # the name README documents
 
 FORMAT = "torch_ext warm start v1"
 STORE = "warm_start"  # <cache_dir>/warm_start/{artifacts,locks,tmp}: one ArtifactStore
@@ -144,7 +146,7 @@ class WarmStart:
         factors = {
             "format": FORMAT,
             "torch_ext": warm_key.package_digest(),
-            "torch_ext_config": repr(torch_ext.config.checkpoint_side_effects),
+            "torch_ext_config": repr(torch_ext_config.checkpoint_side_effects),
             "dynamo_config": warm_key.dynamo_config_digest(),
             "backend_config": config.artifact_hash(),
             "forward": f"{self.func.__module__}.{self.func.__qualname__} "
@@ -249,8 +251,6 @@ class WarmStart:
             _write(store, name, {"format": FORMAT, "factors": factors, "refused": reason})
             return "refused"
         if self.backend.config.cudagraph_mode != "none":
-            from torch_ext.backend.dispatch import buffer_assignments
-
             if buffer_assignments(compat.aot_transformed_code(aot)):
                 return "refused"  # torch.compile's bytecode hook raises the error that shows the store
         program = Program(aot, self.self_arg)

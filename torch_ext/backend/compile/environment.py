@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 # What pieces are compiled from, as torch_ext does it: bumped when that changes for one graph (v2:
-# size variants get inputs in their fakes' layout, backend/layout.py), so no older artifact is taken.
+# size variants get inputs in their fakes' layout, backend/runtime/layout.py), so no older artifact is taken.
 ARTIFACT_FORMAT = 2
 
 # Operator namespaces of the collectives Dynamo records (functional collectives and c10d ops).

@@ -1,0 +1,8 @@
+"""Stage 2, compile: one piece graph and a variant (general, size range, size) -> a callable.
+
+Owns: Inductor compiles (`compiler.py`, with the post-grad passes of backend/passes), loading or
+compiling each distinct artifact once (`builder.py`), the on-disk cache and its key (`cache.py`,
+`environment.py`, `fingerprint.py`, `inductor_keys.py`), and example values restored before a
+compile (`example_values.py`).
+May import: split, passes, config / counters / dump; never runtime, warm_start or dispatch.
+"""

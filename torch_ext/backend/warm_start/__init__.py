@@ -1,0 +1,7 @@
+"""Warm start: a new process runs the program an earlier one saved, without tracing.
+
+Owns: the saved program and its use at the first call (`program.py`), the Dynamo graph saved with
+the example values the backend reads (`saved_graph.py`), and what keys a saved program (`key.py`:
+model, call signature, torch_ext's own sources).
+May import: the backend (backend.py) and every stage below it; never dispatch.
+"""
