@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 import cudagraph_models as cm
-from torch_ext.backend import CompileConfig, counters, dispatch, make_backend
+import torch_ext
+from torch_ext.backend import CompileConfig, counters, make_backend
+from torch_ext.backend.dispatch import dispatcher as dispatch
 from torch_ext.backend.runtime.cudagraph.manager import cudagraph_stats
 from torch_ext.backend.dispatch.dispatcher import GuardFreeDispatcher, GuardFreeDispatchWarning
 
@@ -121,7 +123,7 @@ def test_dtype_rank_and_aliasing_changes_recompile():
     def f(x, y):
         return torch.sin(x) * y + x.sum(0)
 
-    compiled = dispatch.compile(f, CompileConfig(cache_dir=None, guard_free_dispatch=True))
+    compiled = torch_ext.compile(f, CompileConfig(cache_dir=None, guard_free_dispatch=True))
     a, b = torch.randn(4, 3), torch.randn(4, 3)
     calls = [(a, b), (a.double(), b.double()), (a, b), (a[None], b), (a, a), (a, b), (a.double(), b.double())]
     with warnings.catch_warnings(record=True) as record:
@@ -149,7 +151,7 @@ class MLP(nn.Module):
 
 def test_grad_mode_of_the_compiled_call_is_checked():
     model = MLP()
-    compiled = dispatch.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True))
+    compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True))
     x = torch.randn(3, 4)
     with torch.no_grad():
         compiled(x)
@@ -166,7 +168,7 @@ def test_sizes_compiled_as_one_symbol_must_stay_equal():
     def f(x, y):
         return x.sum() + y.sum()
 
-    compiled = dispatch.compile(f, CompileConfig(cache_dir=None, guard_free_dispatch=True), dynamic=True)
+    compiled = torch_ext.compile(f, CompileConfig(cache_dir=None, guard_free_dispatch=True), dynamic=True)
     compiled(torch.randn(4), torch.randn(4))  # duck sizing: both sizes are one symbol
     assert "x.shape[0]" in compiled.signatures[0].source and "y.shape[0] == x.shape[0]" in compiled.signatures[0].source
     torch.testing.assert_close(compiled(torch.ones(5), torch.ones(5)), torch.tensor(10.0))
@@ -196,7 +198,7 @@ class WithMeta(nn.Module):
 
 def test_dataclass_dict_and_default_arguments_are_part_of_the_signature():
     model = WithMeta()
-    compiled = dispatch.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True))
+    compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True))
 
     def both(*args, **kwargs):
         with torch.no_grad():
@@ -222,7 +224,7 @@ def test_variants_beyond_the_limit_run_through_torch_compile(monkeypatch):
     def f(x, n):
         return x * n
 
-    compiled = dispatch.compile(f, CompileConfig(cache_dir=None, guard_free_dispatch=True))
+    compiled = torch_ext.compile(f, CompileConfig(cache_dir=None, guard_free_dispatch=True))
     x = torch.randn(3)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -236,7 +238,7 @@ def test_every_variant_is_dumped_with_its_check(tmp_path):
     def f(x):
         return torch.cos(x) + 1
 
-    compiled = dispatch.compile(f, CompileConfig(cache_dir=None, guard_free_dispatch=True,
+    compiled = torch_ext.compile(f, CompileConfig(cache_dir=None, guard_free_dispatch=True,
                                                  debug_dump_dir=str(tmp_path)))
     compiled(torch.randn(1, 3))
     with pytest.warns(GuardFreeDispatchWarning):
@@ -250,7 +252,7 @@ def test_a_device_change_is_refused_by_the_check():
     def f(x):
         return x * 2
 
-    compiled = dispatch.compile(f, CompileConfig(cache_dir=None, guard_free_dispatch=True))
+    compiled = torch_ext.compile(f, CompileConfig(cache_dir=None, guard_free_dispatch=True))
     compiled(torch.randn(3))
     signature = compiled.signatures[0]
     meta = torch.empty(3, device="meta")
@@ -282,7 +284,7 @@ def test_a_call_that_cannot_be_described_stays_on_the_guarded_path(monkeypatch):
         raise ValueError("no")
 
     monkeypatch.setattr(dispatch, "CallSignature", refuse)
-    compiled = dispatch.compile(MLP(), CompileConfig(cache_dir=None, guard_free_dispatch=True))
+    compiled = torch_ext.compile(MLP(), CompileConfig(cache_dir=None, guard_free_dispatch=True))
     x = torch.randn(3, 4)
     with pytest.warns(GuardFreeDispatchWarning, match=r"cannot check calls like this one \(ValueError: no\)"):
         out = compiled(x)
@@ -299,7 +301,7 @@ def test_sizes_numbers_and_other_objects():
     def f(x, shape, k, settings):
         return x.reshape(shape) * k + settings.offset
 
-    compiled = dispatch.compile(f, CompileConfig(cache_dir=None, guard_free_dispatch=True))
+    compiled = torch_ext.compile(f, CompileConfig(cache_dir=None, guard_free_dispatch=True))
     x, settings = torch.randn(6), Settings(1.0)
     calls = [(torch.Size([2, 3]), 2.0, settings), (torch.Size([2, 3]), 2.0, settings),
              (torch.Size([3, 2]), 2.0, settings), ((2, 3), 2.0, settings), (torch.Size([2, 3]), 3, settings),
