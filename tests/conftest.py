@@ -1,10 +1,18 @@
+import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch._dynamo
 
 import torch_ext
+
+# This project's snapshots live in expected/ at the repository root, not beside each test file (the
+# default for users), and CI's newest torch writes the shared files (torch_ext/snapshots.py).
+if not os.environ.get("TORCH_EXT_SNAPSHOT_DIR") and not os.environ.get("TORCH_EXT_EXPECTED_DIR"):
+    os.environ["TORCH_EXT_SNAPSHOT_DIR"] = str(Path(__file__).resolve().parent.parent / "expected")
+os.environ.setdefault("TORCH_EXT_SNAPSHOT_PRIMARY", "2.15")
 
 
 @pytest.fixture(autouse=True)

@@ -1,84 +1,38 @@
-"""Test helpers: compare compiled with eager (outputs and gradients), and pin captured graphs.
+"""Test helpers: compare compiled with eager (outputs and gradients), capture graphs, pin them.
 
-Graph snapshots live in `expected/<name>.txt`. Where one torch version prints a graph differently,
-its own file `expected/<name>.torch<major>.<minor>.txt` takes precedence for that version.
-`EXPECTTEST_ACCEPT=1` (expecttest's switch) rewrites the snapshots from the current run.
+    check_matches_eager(fn, *inputs)             outputs and gradients of eager/aot_eager/inductor == eager's
+    capture_graphs(fn, *args, piecewise=True)    Dynamo's graphs (and the torch_ext backend's split graph
+                                                 and pieces), from one compiled run
+    assert_graph_snapshot("my_model.block", gm)  gm's code vs expected/my_model.block.txt beside the calling
+                                                 test file; EXPECTTEST_ACCEPT=1 writes it
+    normalized_graph(gm)                         gm's code as text stable across machines and torch versions,
+                                                 for expecttest: self.assertExpectedInline(normalized_graph(gm), '''...''')
+
+Where snapshot files live (TORCH_EXT_SNAPSHOT_DIR, the `torch_ext_snapshot_dir` ini option of
+torch_ext.pytest_plugin, `directory=`), and which torch version writes the shared `<name>.txt` and
+which its own `<name>.torch<major>.<minor>.txt`: see torch_ext/snapshots.py.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import expecttest
 import torch
 import torch._dynamo
 import torch.utils._pytree as pytree
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from torch_ext import compat
+from torch_ext.snapshots import assert_graph_snapshot, graph_text, normalized_graph
 
-EXPECTED_DIR = Path(os.environ.get("TORCH_EXT_EXPECTED_DIR", Path(__file__).resolve().parent.parent / "expected"))
-
-
-SNAPSHOT_PRIMARY_VERSION = (2, 14)  # it and newer ones (2.15 prints the same) write the shared files
-
-
-def _version_tag() -> str:
-    return "torch{}.{}".format(*compat.TORCH_VERSION)
-
-
-def graph_text(gm: torch.fx.GraphModule) -> str:
-    """The readable code of a graph (and its subgraphs) without source-location comments, so a
-    snapshot does not depend on file paths or line numbers."""
-    text = gm.print_readable(print_output=False)
-    lines = []
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("# File:") or stripped.startswith("# No stacktrace"):
-            continue
-        if stripped.startswith("#") and " File: " in stripped:  # 2.11: "# ac_graph_id: <n> - ... File: ..."
-            continue
-        if not stripped:
-            continue
-        lines.append(line.rstrip())
-    return "\n".join(lines) + "\n"
-
-
-def assert_graph_snapshot(name: str, gm: torch.fx.GraphModule) -> None:
-    """Compare `gm`'s code with the pinned snapshot `name` (see the module docstring)."""
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        raise ValueError(f"snapshot name {name!r} must be letters, digits, '_', '.' or '-'")
-    actual = graph_text(gm)
-    shared = EXPECTED_DIR / f"{name}.txt"
-    own = EXPECTED_DIR / f"{name}.{_version_tag()}.txt"
-    expected_file = own if own.exists() else shared
-    if expecttest.ACCEPT:
-        # The newest supported torch owns the shared file; an older one that prints the same graph
-        # needs no file of its own.
-        if compat.TORCH_VERSION >= SNAPSHOT_PRIMARY_VERSION or not shared.exists():
-            target = shared
-        elif shared.read_text() == actual:
-            own.unlink(missing_ok=True)
-            return
-        else:
-            target = own
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(actual)
-        return
-    if not expected_file.exists():
-        raise AssertionError(
-            f"no snapshot {shared}; run with EXPECTTEST_ACCEPT=1 to record it. Captured graph:\n{actual}"
-        )
-    expected = expected_file.read_text()
-    if expected != actual:
-        import difflib
-
-        diff = "".join(difflib.unified_diff(expected.splitlines(True), actual.splitlines(True),
-                                            str(expected_file), "captured"))
-        raise AssertionError(f"graph differs from snapshot (EXPECTTEST_ACCEPT=1 to update):\n{diff}")
+__all__ = [
+    "CapturedGraphs",
+    "Compiled",
+    "assert_graph_snapshot",
+    "capture_graphs",
+    "check_matches_eager",
+    "graph_text",
+    "normalized_graph",
+]
 
 
 @dataclasses.dataclass
@@ -141,3 +95,71 @@ def check_matches_eager(
                                        msg=lambda m: f"[{backend}] gradients: {m}")
         results[backend] = Compiled(backend, actual, list(counter.graphs), counter.frame_count)
     return results
+
+
+@dataclasses.dataclass
+class CapturedGraphs:
+    """What capture_graphs saw: Dynamo's graphs in the order captured and, with the torch_ext backend,
+    per graph its split graph and the split graph's pieces (name -> fx graph, in call order)."""
+
+    outputs: Any
+    graphs: list[torch.fx.GraphModule]
+    split_graphs: list[torch.fx.GraphModule] = dataclasses.field(default_factory=list)
+    pieces: list[dict[str, torch.fx.GraphModule]] = dataclasses.field(default_factory=list)
+
+
+def _pieces(split_gm: torch.fx.GraphModule) -> dict[str, torch.fx.GraphModule]:
+    """The split graph's pieces. A piece compiled by the backend is a runner object in the split graph's
+    __dict__ keeping the piece's graph as `.graph_module` (pieces sharing one runner show the first one's)."""
+    pieces = {}
+    for node in split_gm.graph.nodes:
+        if node.op == "call_module" and node.target not in pieces:
+            piece = split_gm.__dict__.get(node.target)
+            if piece is None:  # not compiled (a splitting op, or plain Python): still the submodule
+                piece = getattr(split_gm, node.target)
+            pieces[node.target] = getattr(piece, "graph_module", piece)
+    return pieces
+
+
+def capture_graphs(fn: Callable, *args: Any, backend_config: Any = None, piecewise: bool = False,
+                   compile_options: dict | None = None, **kwargs: Any) -> CapturedGraphs:
+    """Compile `fn` (a function or module) with a recording backend, call it once with `args` and
+    `kwargs`, and return the graphs Dynamo captured. With `backend_config` (a torch_ext CompileConfig,
+    cudagraph_mode="none") or `piecewise=True` (the default CompileConfig), the graphs are compiled by
+    the torch_ext backend and its split graphs and pieces are returned too. `compile_options` go to
+    torch.compile (e.g. {"dynamic": True}). Dynamo is reset before and after; torch_ext is left installed
+    or not, as it was."""
+    import torch_ext
+
+    backend = None
+    use_backend = backend_config is not None or piecewise
+    if use_backend:
+        from torch_ext.backend import CompileConfig, make_backend
+
+        config = backend_config if backend_config is not None else CompileConfig()
+        if config.cudagraph_mode != "none":
+            raise ValueError("capture_graphs needs cudagraph_mode='none' (the split graph is the same): "
+                             "pass dataclasses.replace(config, cudagraph_mode='none')")
+    captured = CapturedGraphs(outputs=None, graphs=[])
+
+    def record(gm, example_inputs):
+        if backend is None:
+            captured.graphs.append(gm)
+            return gm.forward
+        split_gm = backend(gm, example_inputs)  # may make Dynamo trace again: record what it keeps
+        captured.graphs.append(gm)
+        captured.split_graphs.append(split_gm)
+        captured.pieces.append(_pieces(split_gm))
+        return split_gm
+
+    was_installed = torch_ext.is_installed()
+    torch._dynamo.reset()  # compile afresh, even if `fn` was compiled before
+    try:
+        if use_backend:
+            backend = make_backend(config)  # installs torch_ext
+        captured.outputs = torch.compile(fn, backend=record, **(compile_options or {}))(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()  # drop the recording backend's code from fn's cache
+        if not was_installed and torch_ext.is_installed():
+            torch_ext.uninstall()
+    return captured
