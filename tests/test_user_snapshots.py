@@ -56,7 +56,7 @@ def test_missing_snapshot_names_the_file_and_why_that_folder(clean_env, tmp_path
 
 def test_nothing_is_written_inside_the_package(clean_env, graphs):
     clean_env.setenv("EXPECTTEST_ACCEPT", "1")
-    with pytest.raises(ValueError, match="inside the torch_ext package"):
+    with pytest.raises(ValueError, match="inside the torch_ext package: keep"):
         assert_graph_snapshot("g", graphs["sin"], directory=PACKAGE_DIR / "expected")
     assert not (PACKAGE_DIR / "expected").exists()
 
@@ -239,8 +239,9 @@ def test_user_suite_records_its_snapshot_beside_its_tests(tmp_path):
 
 
 def test_user_suite_ini_options_choose_folder_and_primary(tmp_path):
-    """With the plugin: the folder is relative to the ini file; a primary that is not the running
-    torch leaves the running one its own file; TORCH_EXT_SNAPSHOT_PRIMARY overrides the ini option."""
+    """With the plugin: the folder is relative to the ini file (pytest runs in tests/); a primary
+    that is not the running torch leaves the running one its own file; TORCH_EXT_SNAPSHOT_PRIMARY
+    overrides the ini option."""
     (tmp_path / "tests").mkdir()
     (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -p torch_ext.pytest_plugin\n"
                                          "torch_ext_snapshot_dir = snaps\n"
@@ -248,17 +249,17 @@ def test_user_suite_ini_options_choose_folder_and_primary(tmp_path):
     (tmp_path / "tests" / "test_user.py").write_text(USER_TEST)
     own = f"user_suite_block.torch{RUNNING}.txt"
 
-    rc, out = _run_pytest(tmp_path, accept=True)
+    rc, out = _run_pytest(tmp_path / "tests", accept=True)
     assert rc == 0, out
     assert _files(tmp_path / "snaps") == [own]
     assert not (tmp_path / "tests" / "expected").exists()
-    rc, out = _run_pytest(tmp_path)
+    rc, out = _run_pytest(tmp_path / "tests")
     assert rc == 0, out
 
-    rc, out = _run_pytest(tmp_path, accept=True, env={snapshots.PRIMARY_ENV: RUNNING})
+    rc, out = _run_pytest(tmp_path / "tests", accept=True, env={snapshots.PRIMARY_ENV: RUNNING})
     assert rc == 0, out
     assert _files(tmp_path / "snaps") == ["user_suite_block.txt"]  # the primary's own file is dropped
-    rc, out = _run_pytest(tmp_path)
+    rc, out = _run_pytest(tmp_path / "tests")
     assert rc == 0, out
     assert not _package_tree_snapshots()
 

@@ -159,7 +159,8 @@ def _files(folder: Path, name: str) -> tuple[Path, Path]:
 def _accept(folder: Path, name: str, actual: str, primary: tuple[int, int] | None) -> None:
     shared, own = _files(folder, name)
     if folder.resolve().is_relative_to(_PACKAGE_DIR):
-        raise ValueError(f"snapshot folder {folder} is inside the torch_ext package; keep snapshots with your tests")
+        raise ValueError(f"snapshot folder {folder} is inside the torch_ext package: keep snapshots "
+                         "with the tests")
     folder.mkdir(parents=True, exist_ok=True)
     if _writes_shared(folder, name, shared, primary):
         shared.write_text(actual)
