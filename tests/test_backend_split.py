@@ -9,7 +9,8 @@ import torch.fx as fx
 
 import backend_models as bm
 from torch_ext.backend.compile.fingerprint import graph_fingerprint
-from torch_ext.backend.split.splitter import SplitError, SplittingOpMatcher, split_graph
+from torch_ext.backend.split.matcher import SplittingOpMatcher
+from torch_ext.backend.split.splitter import SplitError, split_graph
 
 MATCH = SplittingOpMatcher(("torch_ext_test::attention",))
 

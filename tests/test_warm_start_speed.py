@@ -13,7 +13,7 @@ import backend_models as bm
 from torch_ext import compat
 from torch_ext.backend.compile import example_values, inductor_keys
 from torch_ext.backend.warm_start import saved_graph as warm_graph
-from torch_ext.backend.split.splitter import SplittingOpMatcher
+from torch_ext.backend.split.matcher import SplittingOpMatcher
 from test_warm_start import aot_only, run_worker
 
 

@@ -7,6 +7,8 @@
                                                  test file; EXPECTTEST_ACCEPT=1 writes it
     normalized_graph(gm)                         gm's code as text stable across machines and torch versions,
                                                  for expecttest: self.assertExpectedInline(normalized_graph(gm), '''...''')
+    activation_bytes(lambda: model(x))           (out, bytes the forward keeps for backward): compare
+                                                 checkpointing under two compilers (torch_ext/memory.py)
 
 Where snapshot files live (TORCH_EXT_SNAPSHOT_DIR, the `torch_ext_snapshot_dir` ini option of
 torch_ext.pytest_plugin, `directory=`), and which torch version writes the shared `<name>.txt` and
@@ -22,10 +24,12 @@ import torch._dynamo
 import torch.utils._pytree as pytree
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from torch_ext.memory import activation_bytes
 from torch_ext.snapshots import assert_graph_snapshot, graph_text, normalized_graph
 
 __all__ = [
     "CapturedGraphs",
+    "activation_bytes",
     "Compiled",
     "assert_graph_snapshot",
     "capture_graphs",

@@ -20,6 +20,7 @@ from torch_ext.backend import dump
 from torch_ext.backend.compile.builder import VariantBuilder
 from torch_ext.backend.compile.cache import ArtifactStore, UnsafeCacheDirError, ensure_private_dir, model_key
 from torch_ext.backend.compile.compiler import InductorCompiler
+from torch_ext.backend.runtime.checkpoint import CheckpointedRegion
 from torch_ext.backend.runtime.cudagraph.buffer_stores import expect_transformed_code
 from torch_ext.backend.runtime.cudagraph.manager import CudaGraphManager
 from torch_ext.backend.config import CompileConfig
@@ -27,7 +28,8 @@ from torch_ext.backend.counters import counters
 from torch_ext.backend.compile.environment import environment_factors
 from torch_ext.backend.runtime.piece_group import PieceGroup
 from torch_ext.backend.runtime.piecewise import batch_symbol
-from torch_ext.backend.split.splitter import INLINABLE_HOPS, SplitGraph, SplittingOpMatcher, hop_name, split_graph
+from torch_ext.backend.split.matcher import SplittingOpMatcher
+from torch_ext.backend.split.splitter import INLINABLE_HOPS, Checkpoint, SplitGraph, hop_name, split_graph
 from torch_ext.backend.unused_config import UnusedConfigReporter
 
 log = logging.getLogger("torch_ext.backend")
@@ -85,7 +87,8 @@ class TorchExtBackend:
         store = self._store(gm, store_key)
         self.last_store_key = store.key if store is not None else None
         group = PieceGroup(f"graph {index}", self.config, self.builder, store, batch_symbol(gm))
-        split = split_graph(gm, self.matcher, self.config.hop_split)
+        # While autograd records, checkpoint regions stay regions (their recompute survives the split).
+        split = split_graph(gm, self.matcher, self.config.hop_split, keep_checkpoints=torch.is_grad_enabled())
         graph_info = None
         if self.cudagraphs is not None:
             graph_info = self.cudagraphs.prepare(gm, self.matcher, f"graph {index}")
@@ -135,10 +138,17 @@ class TorchExtBackend:
         for position, piece in enumerate(split.pieces):
             if piece.kind == "splitting":
                 group.splitting_ops += 1
+                if piece.checkpoint is not None:  # in a selective checkpoint region: run under its policy
+                    checkpoint = piece.checkpoint
+                    setattr(split.split_gm, piece.name, CheckpointedRegion(
+                        piece.graph_module, checkpoint.options, checkpoint.where, checkpoint.context_fn))
                 continue
             if piece.kind == "hop":
                 self._install_runners(piece.body, group, dumper, done)
-                _call_split_body(piece.graph_module, piece.hop_node, piece.body.split_gm)
+                body = piece.body.split_gm
+                if piece.checkpoint is not None:
+                    body = self._checkpoint_region(piece.checkpoint, body, group)
+                _call_split_body(piece.graph_module, piece.hop_node, body)
                 continue
             group.occurrences += 1
             runner = group.piece_for(piece.name, piece.graph_module, position)
@@ -151,6 +161,14 @@ class TorchExtBackend:
                 # The split graph calls `self.<name>(...)`; an instance attribute replaces the submodule.
                 delattr(split.split_gm, piece.name)
                 split.split_gm.__dict__[piece.name] = runner
+
+    def _checkpoint_region(self, checkpoint: Checkpoint, body: fx.GraphModule, group: PieceGroup):
+        """What a kept checkpoint region's call site runs: its split body under torch.utils.checkpoint,
+        or, for a selective one, the body itself (its pieces and splitting ops carry the policy)."""
+        group.checkpoint_regions += 1
+        if checkpoint.context_fn is not None:
+            return body
+        return CheckpointedRegion(body, checkpoint.options, checkpoint.where)
 
     def _made_inside(self, split: SplitGraph, name: str, top_level: bool) -> dict[int, str]:
         """Arguments of the call of piece `name` that are made inside the graph, with what makes them
@@ -178,6 +196,7 @@ class TorchExtBackend:
         counters.pieces += group.occurrences
         counters.unique_pieces += len(group.pieces)
         counters.splitting_op_calls += group.splitting_ops
+        counters.checkpoint_regions += group.checkpoint_regions
 
 
 def _symbols_read(gm: fx.GraphModule) -> set[str]:

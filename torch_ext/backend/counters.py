@@ -12,6 +12,9 @@ class BackendCounters:
     unique_pieces: int = 0  # distinct piece graphs among them
     splitting_op_calls: int = 0  # splitting-op nodes left to run eagerly between pieces
     inlined_hops: int = 0  # HOP calls inlined because their body holds a splitting op
+    # Activation-checkpoint regions holding a splitting op, kept as regions in training (recomputed in
+    # backward: split/checkpoint.py).
+    checkpoint_regions: int = 0
     inductor_compiles: int = 0  # standalone_compile calls
     cache_hits: int = 0  # variants loaded from the disk cache
     cache_misses: int = 0  # variants looked for on disk and not found

@@ -17,7 +17,8 @@ from torch_ext import compat
 from torch_ext.backend.runtime.piece_group import PieceGroup
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.runtime.piecewise import batch_size_of, free_symbols
-from torch_ext.backend.split.splitter import SplittingOpMatcher, unmatched_splitting_ops
+from torch_ext.backend.split.matcher import SplittingOpMatcher
+from torch_ext.backend.split.splitter import unmatched_splitting_ops
 
 log = logging.getLogger("torch_ext.backend")
 

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from torch_ext.backend.split.checkpoint import CONTEXT_FN
+
 log = logging.getLogger(__name__)
 
 
@@ -168,7 +170,8 @@ def _get_attr(gm: fx.GraphModule, target: str) -> Any:
 
 def _describe_attr(obj: Any) -> str:
     if isinstance(obj, fx.GraphModule):
-        return f"graph:{graph_fingerprint(obj)}"
+        policy = obj.meta.get(CONTEXT_FN)  # a selective checkpoint's policy: Python code, told by identity
+        return f"graph:{graph_fingerprint(obj)}" + (f"|policy#id{id(policy)}" if policy is not None else "")
     if isinstance(obj, torch.Tensor):
         meta = describe_value(obj)
         if obj.device.type == "meta" or isinstance(obj, torch._subclasses.FakeTensor):

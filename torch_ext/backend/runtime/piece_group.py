@@ -7,10 +7,8 @@ several of them.
 from __future__ import annotations
 
 import hashlib
-import operator
 from typing import Any, Callable
 
-import torch
 import torch.fx as fx
 import tqdm
 
@@ -19,21 +17,9 @@ from torch_ext.backend.compile.cache import ArtifactStore
 from torch_ext.backend.compile.compiler import GENERAL, Variant
 from torch_ext.backend.compile.fingerprint import graph_fingerprint
 from torch_ext.backend.config import CompileConfig
+from torch_ext.backend.split.checkpoint import carries_policy
+from torch_ext.backend.split.splitter import is_trivial
 from torch_ext.backend.runtime.piecewise import CompiledPiece
-
-
-def is_trivial(gm: fx.GraphModule) -> bool:
-    """Nothing for Inductor to do: only tuple unpacking and integer arithmetic on sizes."""
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        if node.op == "call_function" and node.target is operator.getitem:
-            continue
-        value = node.meta.get("example_value", node.meta.get("val"))
-        if isinstance(value, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):
-            continue
-        return False
-    return True
 
 
 def _flatten_output(gm: fx.GraphModule) -> bool:
@@ -60,6 +46,7 @@ class PieceGroup:
         self.pieces: dict[str, CompiledPiece] = {}
         self.occurrences = 0  # compute pieces in the graph, trivial ones included
         self.splitting_ops = 0
+        self.checkpoint_regions = 0  # kept checkpoint regions (split/checkpoint.py)
         self.bounded_ranges = [r for r in config.compile_ranges() if r[1] is not None]
         self.range_starts = [lo for lo, _ in self.bounded_ranges]
         self._bars: dict[Variant, Any] = {}
@@ -81,7 +68,9 @@ class PieceGroup:
     def build(self, piece: CompiledPiece, variant: Variant, args) -> Callable:
         example_inputs = args if variant.kind == "size" else piece.example_inputs
         bar = self._bar(variant)
-        fn = self.builder.build(piece.name, piece.graph_module, piece.fingerprint, variant, example_inputs, self.store)
+        # A checkpoint policy is Python code the disk cache cannot key: such pieces compile in each process.
+        store = None if carries_policy(piece.graph_module) else self.store
+        fn = self.builder.build(piece.name, piece.graph_module, piece.fingerprint, variant, example_inputs, store)
         if bar is not None:
             bar.update(1)
             if bar.n >= bar.total:

@@ -10,6 +10,9 @@ needs one of two treatments:
 * "in_body": the HOP call stays a single opaque step at the top level; its body is split on
   its own and compiled once, and every call site runs the split body.
 
+Activation-checkpoint regions are never inlined while autograd records (`keep_checkpoints`): they
+are split as in "in_body", so that their recompute survives (split/checkpoint.py).
+
 Measured (torch 2.13, 2-core CPU; decoder of nested_compile_region layers, d=64, batch 8; run time
 is CPU time on one thread, best of 12 interleaved rounds; bench/compile_time.py --hop-modes):
     layers  hop_split  unique pieces  Inductor compiles  cold backend s  run ms/iter (eager)
@@ -28,15 +31,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import operator
-import types
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from torch_ext.backend.config import resolve_op
 from torch_ext.backend.counters import counters
+from torch_ext.backend.split.matcher import SplittingOpMatcher, op_display_name
+from torch_ext.backend.split.checkpoint import CHECKPOINT_HOP, policy_of, where, with_policy
 from torch_ext.backend.split.scalars import fold_known_numbers, localize_symbolic_scalars
 
 
@@ -50,83 +53,6 @@ INLINABLE_HOPS = {
     "wrap": (0, 1),
     "tag_activation_checkpoint": (0, 1),
 }
-
-
-# Where Dynamo records a call of an aten op by the torch function that dispatches to it
-# (`F.scaled_dot_product_attention` is `torch._C._nn.scaled_dot_product_attention` in the graph).
-_TORCH_FUNCTION_NAMESPACES = ("torch", "torch._C._nn", "torch._C._VariableFunctions", "torch.nn.functional",
-                              "torch._C._linalg", "torch._C._special", "torch._C._fft")
-
-
-def torch_functions_for(op: torch._ops.OpOverloadPacket) -> set[Callable]:
-    """The torch functions named like the aten op `op` that Dynamo may record instead of it.
-    Only C builtins: a Python function of that name may do more than the op."""
-    if op._qualified_op_name.split("::")[0] != "aten":
-        return set()
-    functions = set()
-    for namespace in _TORCH_FUNCTION_NAMESPACES:
-        module = operator.attrgetter(namespace.partition(".")[2])(torch) if "." in namespace else torch
-        function = getattr(module, op.__name__, None)
-        if isinstance(function, types.BuiltinFunctionType):
-            functions.add(function)
-    return functions
-
-
-def op_display_name(node: fx.Node) -> str | None:
-    """How a call reads in a message: "ns::name" for operators and the torch builtins of aten ops,
-    "module.name" for other functions."""
-    target = node.target
-    if node.op == "call_method":
-        return f"Tensor.{target}"
-    if node.op != "call_function":
-        return None
-    if isinstance(target, torch._ops.OpOverload):
-        return target.name().split(".")[0]
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name
-    name = getattr(target, "__name__", None)
-    if isinstance(target, types.BuiltinFunctionType) and hasattr(torch.ops.aten, name or ""):
-        return f"aten::{name}"  # what to put in splitting_ops to split at it
-    return f"{getattr(target, '__module__', None) or 'torch'}.{name}" if name else None
-
-
-class SplittingOpMatcher:
-    """Tells whether an FX node calls one of the configured splitting ops (any overload, or, for an
-    aten op, the torch function or Tensor method of the same name that Dynamo records)."""
-
-    def __init__(self, names: tuple[str, ...]):
-        self.names = names
-        self._by_target: dict[Any, str] = {}  # op, overload packet or torch function -> configured name
-        self._by_method: dict[str, str] = {}  # Tensor method name -> configured name
-        for name in names:
-            op = resolve_op(name)
-            self._by_target[op] = name
-            if isinstance(op, torch._ops.OpOverloadPacket):
-                for function in torch_functions_for(op):
-                    self._by_target.setdefault(function, name)
-                if op._qualified_op_name.startswith("aten::") and hasattr(torch.Tensor, op.__name__):
-                    self._by_method.setdefault(op.__name__, name)
-
-    def match(self, node: fx.Node) -> str | None:
-        """The configured name `node` calls, or None."""
-        if node.op == "call_method":
-            return self._by_method.get(node.target)
-        if node.op != "call_function":
-            return None
-        target = node.target
-        try:
-            name = self._by_target.get(target)
-        except TypeError:  # an unhashable target
-            return None
-        if name is None and isinstance(target, torch._ops.OpOverload):
-            name = self._by_target.get(target.overloadpacket)
-        if name is None and isinstance(target, torch._ops.OpOverloadPacket):
-            name = next((n for op, n in self._by_target.items()
-                         if isinstance(op, torch._ops.OpOverload) and op.overloadpacket is target), None)
-        return name
-
-    def __call__(self, node: fx.Node) -> bool:
-        return self.match(node) is not None
 
 
 def hop_name(node: fx.Node) -> str | None:
@@ -201,17 +127,19 @@ def _splitting_hop(gm: fx.GraphModule, node: fx.Node, is_splitting) -> bool:
     return True
 
 
-def inline_splitting_hops(gm: fx.GraphModule, is_splitting: Callable[[fx.Node], bool]) -> int:
-    """Replace every HOP call whose body holds a splitting op by a copy of the body; returns the count."""
+def inline_splitting_hops(gm: fx.GraphModule, is_splitting: Callable[[fx.Node], bool],
+                          keep_checkpoints: bool = False) -> int:
+    """Replace every HOP call whose body holds a splitting op by a copy of the body (checkpoint
+    regions excepted, with keep_checkpoints); returns the count."""
     graph = gm.graph
     inlined = 0
     for node in list(graph.nodes):
-        if not _splitting_hop(gm, node, is_splitting):
+        if not _splitting_hop(gm, node, is_splitting) or _kept_checkpoint(node, keep_checkpoints):
             continue
         body_index, first_operand = INLINABLE_HOPS[hop_name(node)]
         body_attr = node.args[body_index]
         body = operator.attrgetter(body_attr.target)(gm)
-        inlined += inline_splitting_hops(body, is_splitting)  # nested regions first
+        inlined += inline_splitting_hops(body, is_splitting, keep_checkpoints)  # nested regions first
         outputs = _copy_body_before(gm, node, body, node.args[first_operand:])
         for user in list(node.users):
             if not (user.op == "call_function" and user.target is operator.getitem):
@@ -227,6 +155,10 @@ def inline_splitting_hops(gm: fx.GraphModule, is_splitting: Callable[[fx.Node], 
         graph.lint()
         gm.recompile()
     return inlined
+
+
+def _kept_checkpoint(node: fx.Node, keep_checkpoints: bool) -> bool:
+    return keep_checkpoints and hop_name(node) == CHECKPOINT_HOP
 
 
 def _copy_body_before(gm: fx.GraphModule, anchor: fx.Node, body: fx.GraphModule, operands) -> list:
@@ -272,9 +204,20 @@ class Piece:
 
     name: str
     graph_module: fx.GraphModule
-    kind: str  # "compute" (compiled), "splitting" (runs eagerly) or "hop" (split body, in_body mode)
+    kind: str  # "compute" (compiled), "splitting" (runs eagerly) or "hop" (split body)
     body: SplitGraph | None = None  # for "hop": the split body
     hop_node: str | None = None  # for "hop": the HOP call inside graph_module
+    # A checkpoint region kept as one ("hop"), or the selective region a splitting op sits in.
+    checkpoint: Checkpoint | None = None
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """A checkpoint region the split keeps (split/checkpoint.py)."""
+
+    options: dict  # the HOP call's kwargs: torch.utils.checkpoint's options
+    context_fn: Any  # a selective checkpoint's policy (None: plain checkpointing)
+    where: str  # the user's source line
 
 
 @dataclasses.dataclass
@@ -297,19 +240,21 @@ class SplitGraph:
 
 
 def split_graph(gm: fx.GraphModule, is_splitting: Callable[[fx.Node], bool], hop_split: str = "inline",
-                _split_bodies: dict | None = None) -> SplitGraph:
-    """Partition gm so that each splitting op (or, in "in_body" mode, each HOP call holding one)
-    is a piece of its own; the pieces between them are compiled. Keeps the original op order."""
+                _split_bodies: dict | None = None, *, keep_checkpoints: bool = False) -> SplitGraph:
+    """Partition gm so that each splitting op (or, in "in_body" mode, each HOP call holding one;
+    with keep_checkpoints, each checkpoint region holding one) is a piece of its own; the pieces
+    between them are compiled. Keeps the original op order."""
     split_bodies = {} if _split_bodies is None else _split_bodies  # id(body) -> SplitGraph, shared by call sites
     if hop_split == "inline":
-        counters.inlined_hops += inline_splitting_hops(gm, is_splitting)
+        counters.inlined_hops += inline_splitting_hops(gm, is_splitting, keep_checkpoints)
     fold_known_numbers(gm)
 
     opaque_kind: dict[fx.Node, str] = {}
     for node in gm.graph.nodes:
         if is_splitting(node):
             opaque_kind[node] = "splitting"
-        elif hop_split == "in_body" and _splitting_hop(gm, node, is_splitting):
+        elif (hop_split == "in_body" or _kept_checkpoint(node, keep_checkpoints)) and \
+                _splitting_hop(gm, node, is_splitting):
             opaque_kind[node] = "hop"
 
     partition_of: dict[fx.Node, int] = {}
@@ -347,8 +292,39 @@ def split_graph(gm: fx.GraphModule, is_splitting: Callable[[fx.Node], bool], hop
             body_index, _ = INLINABLE_HOPS[hop_name(hop)]
             body = operator.attrgetter(hop.args[body_index].target)(sub)
             piece.hop_node = hop.name
+            if hop_name(hop) == CHECKPOINT_HOP:
+                piece.checkpoint = Checkpoint(dict(hop.kwargs), policy_of(body), where(hop))
             if id(body) not in split_bodies:
-                split_bodies[id(body)] = split_graph(body, is_splitting, hop_split, split_bodies)
+                split_bodies[id(body)] = split_graph(body, is_splitting, hop_split, split_bodies,
+                                                     keep_checkpoints=keep_checkpoints)
+                if piece.checkpoint is not None and piece.checkpoint.context_fn is not None:
+                    _carry_policy(split_bodies[id(body)], piece.checkpoint)
             piece.body = split_bodies[id(body)]
         pieces.append(piece)
     return SplitGraph(split_gm, pieces)
+
+
+def _carry_policy(body: SplitGraph, checkpoint: Checkpoint) -> None:
+    """A selective checkpoint's policy reaches every piece of its split body: each compiled piece
+    becomes a checkpoint call of its own with the policy (split/checkpoint.py); each splitting op
+    is marked, for the runtime to run it under the policy."""
+    for piece in body.pieces:
+        if piece.kind == "compute" and not is_trivial(piece.graph_module):
+            piece.graph_module = with_policy(piece.graph_module, checkpoint.context_fn, checkpoint.options)
+            setattr(body.split_gm, piece.name, piece.graph_module)
+        elif piece.kind == "splitting":
+            piece.checkpoint = checkpoint
+
+
+def is_trivial(gm: fx.GraphModule) -> bool:
+    """Nothing for Inductor to do: only tuple unpacking and integer arithmetic on sizes."""
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and node.target is operator.getitem:
+            continue
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(value, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            continue
+        return False
+    return True

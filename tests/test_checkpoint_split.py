@@ -1,0 +1,162 @@
+"""Activation checkpoints the backend splits keep their recompute (split/checkpoint.py,
+runtime/checkpoint.py): outputs and gradients equal eager's, and the forward keeps for backward
+what eager checkpointing keeps.
+
+Against plain Inductor (the whole graph, one partitioner): it also recomputes the output of the
+last region of a chain for the layer after it, where eager and torch_ext keep that one hidden
+state; with regions nested in checkpoints it may recompute whole chains from their input."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import checkpoint_models as cm
+import hf_models
+from torch_ext.backend import CompileConfig, counters, make_backend
+from torch_ext.testing import activation_bytes
+
+TOL = dict(rtol=1e-3, atol=1e-4)
+
+
+def train_step(model, *inputs, params, loss=lambda out: out):
+    """(loss, gradients of the inputs that need them and of `params`, bytes kept for backward)."""
+    out, nbytes = activation_bytes(lambda: loss(model(*inputs)))
+    wrt = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad] + list(params)
+    return out.detach(), torch.autograd.grad(out, wrt), nbytes
+
+
+def torch_ext_compiled(model, splitting_op, **config):
+    torch._dynamo.reset()
+    backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=(splitting_op,), **config))
+    return torch.compile(model, backend=backend, fullgraph=True)
+
+
+def steady_step(compiled, *inputs, **kw):
+    train_step(compiled, *inputs, **kw)  # compiles
+    return train_step(compiled, *inputs, **kw)
+
+
+def assert_same(actual, expected):
+    torch.testing.assert_close(actual[0], expected[0], **TOL)
+    for a, e in zip(actual[1], expected[1], strict=True):
+        torch.testing.assert_close(a, e, **TOL)
+
+
+CASES = [  # attention op, selective, nesting, hop_split
+    (cm.SDPA, False, "none", "inline"),
+    (cm.CUSTOM, False, "none", "in_body"),
+    (cm.SDPA, True, "none", "inline"),
+    (cm.CUSTOM, False, "region_in_checkpoint", "inline"),
+    (cm.SDPA, False, "checkpoint_in_region", "inline"),
+    (cm.CUSTOM, True, "checkpoint_in_region", "in_body"),
+]
+
+
+@pytest.mark.parametrize("attention,selective,nesting,hop_split", CASES)
+def test_split_checkpoint_recomputes_like_eager(attention, selective, nesting, hop_split):
+    model = cm.CheckpointedModel(layers=2, d=64, attention=attention, selective=selective, nesting=nesting)
+    x = torch.randn(8, 64, 64, requires_grad=True)
+    params = list(model.parameters())
+    eager = train_step(model, x, params=params)
+
+    counters.reset()
+    ext = steady_step(torch_ext_compiled(model, attention, hop_split=hop_split), x, params=params)
+    assert counters.checkpoint_regions >= 1
+    assert_same(ext, eager)
+    assert ext[2] <= 1.05 * eager[2], (ext[2], eager[2])
+    if not selective and nesting != "region_in_checkpoint":
+        torch._dynamo.reset()
+        inductor = steady_step(torch.compile(model, fullgraph=True), x, params=params)
+        # At most one hidden state more (the last region's output) and the regions' RNG states.
+        assert ext[2] <= inductor[2] + x.nbytes + 2 * 6 * 1024, (ext[2], inductor[2])
+
+
+def test_without_the_kept_region_the_split_saves_every_piece(monkeypatch):
+    """The measurement behind the test above: inlining the region (what the backend did before)
+    keeps several times Inductor's activations."""
+    import torch_ext.backend.backend as backend_module
+
+    split_graph = backend_module.split_graph
+    monkeypatch.setattr(backend_module, "split_graph", lambda *a, **k: split_graph(*a, **{**k, "keep_checkpoints": False}))
+    model = cm.CheckpointedModel(layers=2, d=64)
+    x = torch.randn(8, 64, 64, requires_grad=True)
+    params = list(model.parameters())
+    lost = steady_step(torch_ext_compiled(model, cm.SDPA), x, params=params)
+    monkeypatch.undo()
+    kept = steady_step(torch_ext_compiled(model, cm.SDPA), x, params=params)
+    assert lost[2] > 3 * kept[2], (lost[2], kept[2])
+
+
+def test_inference_inlines_the_region():
+    """Without autograd nothing is saved: the region is inlined into the pieces around it (which
+    piecewise CUDA graphs can capture), and runs as before."""
+    model = cm.CheckpointedModel(layers=2).eval()
+    x = torch.randn(2, 16, 32)
+    counters.reset()
+    compiled = torch_ext_compiled(model, cm.SDPA)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), **TOL)
+    assert counters.checkpoint_regions == 0 and counters.inlined_hops == 2
+
+
+class DropoutRegion(nn.Module):
+    """out = s * sum(dropout(attention(h))): d out / d s == out / s only if backward's recompute
+    drew the forward's mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.s = nn.Parameter(torch.tensor(1.5))
+
+    def body(self, x):
+        h = self.lin(x)
+        return F.dropout(torch.ops.torch_ext_test.attention_fn(h, h, h), 0.5, True) * self.s
+
+    def forward(self, x):
+        return checkpoint(self.body, x, use_reentrant=False).sum()
+
+
+def test_recompute_draws_the_forward_random_numbers():
+    model = DropoutRegion()
+    x = torch.randn(4, 8, 32)
+    compiled = torch_ext_compiled(model, cm.CUSTOM)
+    for _ in range(2):
+        model.zero_grad()
+        out = compiled(x)
+        out.backward()
+        torch.testing.assert_close(model.s.grad, out.detach() / model.s.detach(), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # the mask dropped something
+        h = model.lin(x)
+        assert not torch.allclose(out, torch.ops.torch_ext_test.attention_fn(h, h, h).sum() * model.s)
+
+
+def test_hf_gradient_checkpointing_split_at_sdpa():
+    """transformers' gradient checkpointing (non-reentrant) on a Llama, split at its SDPA calls."""
+    model = hf_models.build("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = hf_models.token_ids(2, 16)
+
+    params = list(model.parameters())
+
+    def loss(out):
+        return out.loss
+
+    def call(m):
+        return lambda ids: m(input_ids=ids, labels=ids, use_cache=False)
+
+    eager = train_step(call(model), ids, params=params, loss=loss)
+    counters.reset()
+    ext = steady_step(call(torch_ext_compiled(model, cm.SDPA)), ids, params=params, loss=loss)
+    assert counters.checkpoint_regions == hf_models.LAYERS
+    torch.testing.assert_close(ext[0], eager[0], **TOL)
+    for a, e in zip(ext[1], eager[1], strict=True):
+        torch.testing.assert_close(a, e, **TOL)
+    torch._dynamo.reset()
+    assert ext[2] <= 1.05 * eager[2], (ext[2], eager[2])
+    inductor = steady_step(call(torch.compile(model, fullgraph=True)), ids, params=params, loss=loss)
+    hidden = 2 * 16 * hf_models.HIDDEN * 4
+    assert ext[2] <= inductor[2] + hidden + hf_models.LAYERS * 6 * 1024, (ext[2], inductor[2])
