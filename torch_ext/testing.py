@@ -6,7 +6,7 @@
     assert_graph_snapshot("my_model.block", gm)  gm's code vs expected/my_model.block.txt beside the calling
                                                  test file; EXPECTTEST_ACCEPT=1 writes it
     normalized_graph(gm)                         gm's code as text stable across machines and torch versions,
-                                                 for expecttest: self.assertExpectedInline(normalized_graph(gm), '''...''')
+                                                 for expecttest's assertExpectedInline(normalized_graph(gm), '''...''')
     activation_bytes(lambda: model(x))           (out, bytes the forward keeps for backward): compare
                                                  checkpointing under two compilers (torch_ext/memory.py)
 
