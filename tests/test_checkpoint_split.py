@@ -7,6 +7,11 @@ last region of a chain for the layer after it, where eager and torch_ext keep th
 state; with regions nested in checkpoints it may recompute whole chains from their input."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 import checkpoint_models as cm
 import hf_models
+from torch_ext import compat
 from torch_ext.backend import CompileConfig, counters, make_backend
 from torch_ext.testing import activation_bytes
 
@@ -160,3 +166,40 @@ def test_hf_gradient_checkpointing_split_at_sdpa():
     inductor = steady_step(call(torch.compile(model, fullgraph=True)), ids, params=params, loss=loss)
     hidden = 2 * 16 * hf_models.HIDDEN * 4
     assert ext[2] <= inductor[2] + hidden + hf_models.LAYERS * 6 * 1024, (ext[2], inductor[2])
+
+
+_TRAIN_WORKER = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[2])
+import checkpoint_models as cm
+from torch_ext.backend import CompileConfig, counters, make_backend
+model = cm.CheckpointedModel(layers=2, attention=cm.CUSTOM)
+x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
+backend = make_backend(CompileConfig(cache_dir=sys.argv[1], splitting_ops=(cm.CUSTOM,)))
+torch.compile(model, backend=backend, fullgraph=True)(x).backward()
+print(json.dumps({"counters": counters.snapshot(), "grad": x.grad.double().sum().item()}))
+"""
+
+
+def test_training_pieces_load_from_the_disk_cache_in_a_new_process(tmp_path):
+    """Pieces compiled with gradients (a checkpoint region's, and those around it) are saved and a
+    second process loads them all (2.10-2.12 compile their backward up front for it); torch 2.9.1
+    cannot save those AOTAutograd compiled afresh, and says so once."""
+    def run():
+        out = subprocess.run([sys.executable, "-c", _TRAIN_WORKER, str(tmp_path), os.path.dirname(__file__)],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+    first, said = run()
+    second, _ = run()
+    compiled = first["counters"]["inductor_compiles"]
+    assert compiled >= 2 and second["grad"] == pytest.approx(first["grad"], rel=1e-6)
+    if compat.TRAINING_ARTIFACTS_SAVEABLE:
+        assert second["counters"]["inductor_compiles"] == 0
+        assert second["counters"]["cache_hits"] == compiled
+    elif "cannot be saved to the cache" in said:  # 2.9.1 saves them only where AOTAutograd's own cache hit
+        assert said.count("cannot be saved to the cache") == 1
+        assert second["counters"]["inductor_compiles"] > 0
+    else:
+        assert second["counters"]["inductor_compiles"] == 0

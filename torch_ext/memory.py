@@ -46,11 +46,13 @@ def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     """data pointer -> bytes of the storages behind real (not fake or meta) tensors."""
     out = {}
     for tensor in tensors:
-        if tensor.device.type == "meta" or isinstance(tensor, torch._subclasses.FakeTensor):
+        if isinstance(tensor, torch._subclasses.FakeTensor):
             continue
         try:
+            if tensor.device.type == "meta":
+                continue
             storage = tensor.untyped_storage()
-        except (NotImplementedError, RuntimeError):  # sparse, nested: no single storage
+        except Exception:  # sparse, nested: no single storage; half-built subclasses gc still sees
             continue
         if storage.data_ptr():
             out[storage.data_ptr()] = storage.nbytes()

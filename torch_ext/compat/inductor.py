@@ -56,3 +56,18 @@ def prime_torch_key(value: bytes) -> bool:
     except (AssertionError, RuntimeError):
         return False
     return True
+
+
+def saveable_training_patches() -> dict:
+    """torch._functorch config under which a piece compiled with gradients gives a saveable artifact.
+    2.10-2.12 compile a training graph's backward lazily, at its first backward, and only then record
+    the AOTAutograd entry that CompiledArtifact.save needs ("no aot_autograd artifacts"): compile the
+    backward with the forward (`force_non_lazy_backward_lowering`, 2.10+). 2.13+ record the entry
+    without it; 2.9.1 has no such switch (its training pieces stay unsaved, said once)."""
+    import torch._functorch.config as functorch_config
+
+    from torch_ext.compat.versions import TORCH_VERSION
+
+    if TORCH_VERSION < (2, 13) and hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        return {"force_non_lazy_backward_lowering": True}
+    return {}

@@ -89,3 +89,6 @@ NESTED_REGION_FAILS_AOT = TORCH_VERSION < (2, 11)
 # vanilla too (2.9.1, 2.12.1; 2.13+ compile it; 2.10, 2.11 untested). Eager's RNG ops
 # (fallback_random) avoid it. torch_ext compiles such graphs with fallback_random=True.
 PARTITIONER_FAILS_ON_DYNAMIC_CHECKPOINTED_RNG = TORCH_VERSION < (2, 13)
+# A piece compiled with gradients saves to the disk cache (its artifact holds the AOTAutograd entry):
+# 2.10+ (2.10-2.12 with the backward compiled up front: compat.saveable_training_patches); 2.9.1 cannot.
+TRAINING_ARTIFACTS_SAVEABLE = TORCH_VERSION >= (2, 10)

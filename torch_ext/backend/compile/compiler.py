@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from torch_ext import workarounds
+from torch_ext import compat, workarounds
 from torch_ext.backend.compile.example_values import restore_example_values
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.counters import counters
@@ -114,22 +114,11 @@ class InductorCompiler:
         restore_example_values(gm)  # a piece of a graph a warm start loaded
         start = time.perf_counter()
         token = _current_variant.set(variant)
+        # Training pieces: what makes their artifact saveable on this torch (compat).
+        functorch_patches = compat.saveable_training_patches() if torch.is_grad_enabled() else {}
         try:
-            if variant.kind == "size":
-                # Real tensors of the first call at this size: Inductor specializes every shape.
-                artifact = torch._inductor.standalone_compile(
-                    gm, list(example_inputs), dynamic_shapes="from_example_inputs", options=options)
-            else:
-                # Symbolic shapes of Dynamo's fake tensors, compiled in their own fake mode (not the
-                # tracing context's: Dynamo gives backends a fresh mode on some versions).
-                fake_mode = _fake_mode_of(example_inputs)
-                if fake_mode is None:
-                    artifact = torch._inductor.standalone_compile(
-                        gm, list(example_inputs), dynamic_shapes="from_graph", options=options)
-                else:
-                    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-                        artifact = torch._inductor.standalone_compile(
-                            gm, list(example_inputs), dynamic_shapes="from_tracing_context", options=options)
+            with torch._functorch.config.patch(functorch_patches):
+                artifact = self._standalone_compile(gm, example_inputs, variant, options)
         except torch._dynamo.exc.TorchDynamoException:
             raise  # Dynamo's own control flow (e.g. restart with specialized float scalars)
         except Exception as e:
@@ -142,6 +131,25 @@ class InductorCompiler:
         counters.inductor_compiles += 1
         counters.compiles_by_variant[variant.label] += 1
         log.debug("compiled piece %s (%s) in %.2f s", name, variant.label, elapsed)
+        return artifact
+
+    @staticmethod
+    def _standalone_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], variant: Variant, options: dict):
+        if variant.kind == "size":
+            # Real tensors of the first call at this size: Inductor specializes every shape.
+            artifact = torch._inductor.standalone_compile(
+                gm, list(example_inputs), dynamic_shapes="from_example_inputs", options=options)
+        else:
+            # Symbolic shapes of Dynamo's fake tensors, compiled in their own fake mode (not the
+            # tracing context's: Dynamo gives backends a fresh mode on some versions).
+            fake_mode = _fake_mode_of(example_inputs)
+            if fake_mode is None:
+                artifact = torch._inductor.standalone_compile(
+                    gm, list(example_inputs), dynamic_shapes="from_graph", options=options)
+            else:
+                with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+                    artifact = torch._inductor.standalone_compile(
+                        gm, list(example_inputs), dynamic_shapes="from_tracing_context", options=options)
         return artifact
 
     @staticmethod

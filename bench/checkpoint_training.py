@@ -1,0 +1,161 @@
+"""A training step with activation checkpointing: eager, Inductor, torch_ext without a split and
+torch_ext split at attention, side by side.
+
+    python bench/checkpoint_training.py                     # CPU: saved-for-backward bytes (+ step time)
+    python bench/checkpoint_training.py --device cuda        # GPU: also peak memory, step time
+    python bench/checkpoint_training.py --smoke             # tiny sizes, every path end to end
+
+Models (random weights, train mode):
+  hf-llama   transformers LlamaForCausalLM, gradient_checkpointing_enable(use_reentrant=False),
+             SDPA attention; split at aten::scaled_dot_product_attention; loss from labels
+  custom-op  blocks under torch.utils.checkpoint(use_reentrant=False) whose attention is a
+             torch.library custom op with its own autograd formula (tests/checkpoint_models.py);
+             split at that op
+Columns: eager; inductor = torch.compile(model, fullgraph=True); ext = torch_ext backend without a
+splitting op; ext-split = split at attention. Rows: MiB the forward keeps for backward
+(torch_ext.testing.activation_bytes), peak memory of a whole step above the weights (CUDA), median
+step time (forward + backward) from interleaved rounds. Ratios are to inductor.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # checkpoint_models, hf_models
+
+import torch  # noqa: E402
+
+from table import print_table  # noqa: E402
+
+COLUMNS = ("eager", "inductor", "ext", "ext-split")
+
+
+def build(name: str, args):
+    if name == "hf-llama":
+        import transformers
+
+        config = transformers.LlamaConfig(
+            vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+            num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+            max_position_embeddings=max(args.seq, 64), attn_implementation="sdpa")
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+        return model, ids, "aten::scaled_dot_product_attention", \
+            lambda m, ids: m(input_ids=ids, labels=ids, use_cache=False).loss
+    import checkpoint_models as cm
+
+    model = cm.CheckpointedModel(layers=args.layers, d=args.hidden, attention=cm.CUSTOM)
+    x = torch.randn(args.batch, args.seq, args.hidden, generator=torch.Generator().manual_seed(1))
+    return model, x, cm.CUSTOM, lambda m, x: m(x)
+
+
+def compiled(column: str, model, splitting_op: str):
+    from torch_ext.backend import CompileConfig, make_backend
+
+    if column == "eager":
+        return model
+    if column == "inductor":
+        return torch.compile(model, fullgraph=True)
+    ops = (splitting_op,) if column == "ext-split" else ()
+    return torch.compile(model, backend=make_backend(CompileConfig(cache_dir=None, splitting_ops=ops)),
+                         fullgraph=True)
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--models", default="hf-llama,custom-op")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args()
+    if args.smoke:
+        args.layers, args.hidden, args.vocab, args.batch, args.seq, args.rounds, args.iters = 2, 64, 128, 2, 16, 1, 1
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device == "cuda" else torch.float32)
+    from torch_ext.testing import activation_bytes
+
+    for name in args.models.split(","):
+        model, batch, op, loss_of = build(name, args)
+        model = model.to(args.device, dtype).train()
+        if batch.is_floating_point():
+            batch = batch.to(args.device, dtype)
+        else:
+            batch = batch.to(args.device)
+        runs = {c: compiled(c, model, op) for c in COLUMNS}
+
+        def step(column):
+            model.zero_grad(set_to_none=True)
+            loss_of(runs[column], batch).backward()
+
+        saved, peak, errors = {}, {}, {}
+        grads = {}
+        for column in COLUMNS:  # compile, then measure memory once per column
+            step(column)
+            step(column)
+            sync(args.device)
+            grads[column] = [p.grad.float().clone() for p in model.parameters() if p.grad is not None]
+            model.zero_grad(set_to_none=True)
+            out, nbytes = activation_bytes(lambda: loss_of(runs[column], batch))
+            saved[column] = nbytes / 2**20
+            out.backward()
+            del out
+            model.zero_grad(set_to_none=True)
+            if args.device == "cuda":
+                sync(args.device)
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                step(column)
+                sync(args.device)
+                peak[column] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        for column in COLUMNS:
+            num = sum(((a - b).norm() ** 2).item() for a, b in zip(grads[column], grads["eager"]))
+            den = sum((b.norm() ** 2).item() for b in grads["eager"])
+            errors[column] = (num / max(den, 1e-30)) ** 0.5
+        times = {c: [] for c in COLUMNS}
+        for _ in range(args.rounds):  # interleaved: host speed drifts between rounds
+            for column in COLUMNS:
+                sync(args.device)
+                start = time.perf_counter()
+                for _ in range(args.iters):
+                    step(column)
+                sync(args.device)
+                times[column].append((time.perf_counter() - start) / args.iters * 1e3)
+        step_ms = {c: statistics.median(v) for c, v in times.items()}
+
+        def row(label, values, fmt="{:.2f}"):
+            base = values["inductor"]
+            return [label] + [f"{fmt.format(values[c])} ({values[c] / base:.2f}x)" if base else fmt.format(values[c])
+                              for c in COLUMNS]
+
+        print(f"\n{name}: {args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}, "
+              f"{dtype}, {args.device}, torch {torch.__version__}; grad rel. err vs eager: "
+              + ", ".join(f"{c} {errors[c]:.1e}" for c in COLUMNS))
+        rows = [row("saved for backward MiB", saved)]
+        if peak:
+            rows.append(row("peak step memory MiB", peak))
+        rows.append(row("step ms (median)", step_ms))
+        print_table(["", *COLUMNS], rows)
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
