@@ -41,9 +41,15 @@ class CheckpointedRegion(torch.nn.Module):
         self.label = label  # where the region is in the model's source, for messages
 
     def forward(self, *args):
+        # The body's code, not its nn.Module call: hooks are not the body's business, and a
+        # GraphModule's call formats a traceback for every exception passing through it.
         if not torch.is_grad_enabled():  # nothing is saved without autograd: no recompute to arrange
-            return self.body(*args)
-        return torch.utils.checkpoint.checkpoint(self.body, *args, use_reentrant=False, **self.options)
+            return self.body.forward(*args)
+        # early_stop=False: recompute the whole region (as Inductor does) instead of stopping it
+        # with an exception once the tensors backward needs are back (that exception costs more
+        # host time, through every GraphModule call it leaves, than the region's last ops).
+        return torch.utils.checkpoint.checkpoint(self.body.forward, *args, use_reentrant=False, early_stop=False,
+                                                 **self.options)
 
     def extra_repr(self) -> str:
         return f"{self.label}, {self.options}" if self.options else self.label
