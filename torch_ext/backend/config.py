@@ -60,6 +60,18 @@ class ConfigError(ValueError):
     """A CompileConfig field has a bad value; the message names the field and the fix."""
 
 
+def _file_in_the_way(path: str | None) -> str | None:
+    """The path itself or an ancestor of it that exists and is not a directory, else None."""
+    while path:
+        if os.path.exists(path):
+            return None if os.path.isdir(path) else path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None
+
+
 def _fail(field: str, problem: str, fix: str) -> None:
     raise ConfigError(f"CompileConfig.{field}: {problem}. {fix}")
 
@@ -226,6 +238,10 @@ class CompileConfig:
                   "Pass a directory path, or None to turn the disk cache off")
         cache_dir = os.fspath(self.cache_dir) if self.cache_dir else None
         set_("cache_dir", os.path.abspath(os.path.expanduser(cache_dir)) if cache_dir else None)
+        blocker = _file_in_the_way(self.cache_dir)
+        if blocker is not None:
+            _fail("cache_dir", f"{self.cache_dir!r} cannot be a directory: {blocker!r} is a file",
+                  "Name a directory (it is created if missing), or cache_dir=None for no disk cache")
         if self.debug_dump_dir is not None and not isinstance(self.debug_dump_dir, (str, os.PathLike)):
             _fail("debug_dump_dir", f"expected a path or None, got {self.debug_dump_dir!r}",
                   "Pass a directory path")

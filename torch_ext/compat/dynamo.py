@@ -278,3 +278,11 @@ def global_state_reason(check) -> str:
 
 # --- warm start without re-tracing (backend/warm_start/) ---------------------------------------
 #
+
+
+def compile_lock():
+    """Dynamo's process-wide compile lock (an RLock, `torch._dynamo.convert_frame.compile_lock`,
+    2.9.1..2.15): held while Dynamo compiles a frame, and so while our backend runs. Compiles the
+    backend starts at run time (a piece's size variant) take it too: Inductor's compile is not
+    thread-safe (its config patches are process-global), and one lock cannot deadlock with Dynamo's."""
+    return torch._dynamo.convert_frame.compile_lock

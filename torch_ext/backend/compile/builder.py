@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch.fx as fx
 
+from torch_ext import compat
 from torch_ext.backend.compile import inductor_keys
 from torch_ext.backend.compile.cache import ArtifactStore
 from torch_ext.backend.compile.compiler import InductorCompiler, Variant
@@ -31,7 +32,12 @@ class VariantBuilder:
 
     def build(self, piece_name: str, gm: fx.GraphModule, fingerprint: str, variant: Variant, example_inputs,
               store: ArtifactStore | None) -> Callable:
-        """The callable of `gm` (named `piece_name` in messages) compiled for `variant`."""
+        """The callable of `gm` (named `piece_name` in messages) compiled for `variant`. Thread-safe:
+        threads whose first calls need the same variant get one compile."""
+        with compat.compile_lock():
+            return self._build(piece_name, gm, fingerprint, variant, example_inputs, store)
+
+    def _build(self, piece_name, gm, fingerprint, variant, example_inputs, store) -> Callable:
         name = self.artifact_name(fingerprint, variant)
         if name in self._memo:
             fn, blob = self._memo[name]

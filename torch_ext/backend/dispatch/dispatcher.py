@@ -16,10 +16,16 @@ A call that does not match goes through torch.compile with its guards: Dynamo co
 (its automatic dynamic shapes make a dim that changed symbolic), and that code is armed too
 (newest first, up to 8 variants). One GuardFreeDispatchWarning per kind of mismatch says why.
 
+The root module's training flag (`train()` / `eval()`) and its own plain attributes (ints, floats,
+bools, strings: `self.scale = 2.0`) are checked too (module_state.py): a call after one changed goes
+through torch.compile's guards (said once), which compile code for it where the forward reads it.
+Calls from many threads are safe: calls through torch.compile run one at a time.
+
 What Dynamo's guards would also check stays the caller's promise (the contract):
-  * Python state the forward reads besides its arguments (module attributes, parameters and
-    buffers, globals, config flags, attributes of an object argument passed again after it
-    changed) keeps its value at the compile: it is frozen into the code.
+  * Other Python state the forward reads besides its arguments (submodules' attributes, a
+    submodule switched to train()/eval() on its own, parameters and buffers reassigned, globals,
+    config flags, attributes of an object argument passed again after it changed) keeps its
+    value at the compile: it is frozen into the code.
   * Sizes along dims compiled as symbolic may take any value: the bounds Dynamo's shape guards put
     on them are not checked. Batch 1 runs the symbolic graph, which is valid for it (plain
     torch.compile would specialize it into another graph).
@@ -54,6 +60,7 @@ from torch_ext import compat
 from torch_ext.backend.dump import decompile
 from torch_ext.backend.runtime.cudagraph.errors import CudaGraphError
 from torch_ext.backend.warm_start import program as warm_program
+from torch_ext.backend.dispatch.module_state import ModuleState
 from torch_ext.backend.dispatch.signature import CallSignature
 
 log = logging.getLogger(__name__)
@@ -116,7 +123,10 @@ class GuardFreeDispatcher:
         self.backend = backend
         self.compiled = torch.compile(model, backend=self._record_graph_inputs, dynamic=dynamic, fullgraph=True)
         self.signatures: list[CallSignature] = []  # of the armed variants, newest first
-        self._variants: list[tuple[Callable[..., bool], Callable]] = []  # (check, code as a function)
+        # (check, code as a function, module state): replaced whole, never changed in place, so other
+        # threads may read it while one arms a variant.
+        self._variants: list[tuple[Callable[..., bool], Callable, ModuleState]] = []
+        self._lock = threading.RLock()  # calls through torch.compile, one at a time (first calls of many threads)
         self._new_code: types.CodeType | None = None  # set by the bytecode hook during a guarded call
         self._graph_inputs: dict | None = None  # set by the backend during a guarded call
         self._noted: set = set()
@@ -130,10 +140,14 @@ class GuardFreeDispatcher:
         return f"GuardFreeDispatcher({self.func.__qualname__}, {state})"
 
     def __call__(self, *args, **kwargs):
-        for check, fast in self._variants:
+        stale = None  # the newest variant the call fits but the module's state does not (same mode first)
+        for check, fast, state in self._variants:
             if check(*args, **kwargs):
-                return fast(*args, **kwargs)
-        return self._guarded_call(args, kwargs)
+                if state.matches():
+                    return fast(*args, **kwargs)
+                if stale is None or (stale.changed()[:1] == ("training",) and state.changed()[:1] != ("training",)):
+                    stale = state
+        return self._guarded_call(args, kwargs, stale=stale)
 
     def __getattr__(self, name: str) -> Any:  # reach the module's attributes, as OptimizedModule does
         if name == "model":
@@ -147,7 +161,15 @@ class GuardFreeDispatcher:
         self._graph_inputs = inputs  # only once compiled: Dynamo may restart an attempt
         return compiled
 
-    def _guarded_call(self, args, kwargs):
+    def _guarded_call(self, args, kwargs, stale: ModuleState | None = None):
+        with self._lock:
+            if stale is not None:
+                self._note(("state", stale.changed()), "torch_ext: guard-free dispatch of %s: %s since the "
+                           "compile; this call goes through torch.compile's guards, which compile code for it "
+                           "where the forward reads it", self.func.__qualname__, stale.difference(), warn=True)
+            return self._guarded_call_locked(args, kwargs, stale)
+
+    def _guarded_call_locked(self, args, kwargs, stale: ModuleState | None):
         if self.warm is not None:
             warm, self.warm = self.warm, None  # consulted at the first call only
             program = warm.program(args, kwargs)
@@ -175,6 +197,15 @@ class GuardFreeDispatcher:
             raise ours from None  # its message says it all; Dynamo's wrapper only adds noise
         finally:
             _local.dispatcher = None
+        if stale is not None and self._new_code is None:
+            # No new compile. With one cache entry, Dynamo's guards took the code compiled before (it
+            # does not read what changed): calls with the new state may run it. Otherwise which code
+            # ran is unknown: such calls keep going through the guards.
+            if len(torch._dynamo.eval_frame._debug_get_cache_entry_list(self.code)) == 1:
+                self._variants = [(c, f, ModuleState(self.self_arg) if st is stale else st)
+                                  for c, f, st in self._variants]
+            self._graph_inputs = None
+            return out
         self._arm(args, kwargs)
         return out
 
@@ -247,7 +278,7 @@ class GuardFreeDispatcher:
                                     self.func.__closure__)
             fn.__kwdefaults__ = self.func.__kwdefaults__
             fast = functools.partial(fn, self.self_arg) if self.self_arg is not None else fn
-        self._variants.insert(0, (signature.check, fast))
+        self._variants = [(signature.check, fast, ModuleState(self.self_arg)), *self._variants]
         self.signatures.insert(0, signature)
         if self.debug_dir:
             self._dump(code if code is not None else ready[0].__code__ if self.self_arg is None

@@ -29,6 +29,7 @@ import inspect
 import logging
 import os
 import pickle
+import threading
 import time
 import types
 from typing import Any
@@ -290,14 +291,17 @@ class WarmStartModule:
         self.warm = warm
         self.program_: Program | None = None
         self._tried = False
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"WarmStartModule({self.warm.name}, {'program ready' if self.program_ else 'no program'})"
 
     def __call__(self, *args, **kwargs):
         if not self._tried:
-            self._tried = True
-            self.program_ = self.warm.program(args, kwargs)
+            with self._lock:  # first calls of many threads: one loads, the others wait for it
+                if not self._tried:
+                    self.program_ = self.warm.program(args, kwargs)
+                    self._tried = True
         program = self.program_
         if program is not None:
             reason = program.mismatch(args, kwargs)

@@ -63,6 +63,7 @@ from torch_ext import compat
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.runtime.cudagraph.errors import (CudaGraphAddressError, CudaGraphBufferMutationError,
                                                 CudaGraphCaptureError, CudaGraphError, mutation_error)
+from torch_ext.backend.runtime.cudagraph.concurrency import SerializedGraph
 from torch_ext.backend.runtime.cudagraph.group import RunnerGroup
 from torch_ext.backend.runtime.cudagraph.runner import CudaGraphRunner
 from torch_ext.backend.runtime.cudagraph.stats import CudaGraphStats, cudagraph_stats
@@ -177,17 +178,19 @@ class CudaGraphManager:
 
     def wrap(self, split: SplitGraph, info: GraphInfo) -> Callable:
         """Put runners in: around each top-level compiled piece ("piecewise"), around the whole split
-        graph ("full", returned), or both ("full_and_piecewise": the full graph's runner is returned
-        and falls back to the piecewise graphs). HOP bodies split in_body mode run without graphs."""
+        graph ("full"), or both ("full_and_piecewise": the full graph's runner falls back to the
+        piecewise graphs). HOP bodies split in_body mode run without graphs. What is returned runs
+        one call at a time (concurrency.SerializedGraph)."""
         if not self.graphs_available():
             self.warn_cpu_once()
         split_gm = split.split_gm
         if self.mode == "full":
-            return self._full_runner(split_gm, info, None)
+            return SerializedGraph(self._full_runner(split_gm, info, None), info.name)
         # The full graph captures plain pieces: it gets its own module before runners go in.
         full_gm = copy.copy(split_gm) if self.mode == "full_and_piecewise" else None
         self._wrap_pieces(split, info)
-        return split_gm if full_gm is None else self._full_runner(full_gm, info, split_gm)
+        # Many threads or streams may call it: one call at a time over the static memory (concurrency.py).
+        return SerializedGraph(split_gm if full_gm is None else self._full_runner(full_gm, info, split_gm), info.name)
 
     def _full_runner(self, split_gm: fx.GraphModule, info: GraphInfo, fallback: Callable | None) -> CudaGraphRunner:
         group = RunnerGroup(self, f"{info.name} (full graph)")

@@ -1,0 +1,180 @@
+"""Many threads calling one compiled model (runtime/cudagraph/concurrency.py, compile/builder.py's
+lock, the dispatcher's): each gets its own right answer, first calls compile each variant once, and
+nothing hangs (every thread is joined with a timeout). Guard-free dispatch follows train()/eval() and
+changed module attributes. Bad configuration gets a clear error."""
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torch_ext
+from torch_ext.backend import CompileConfig, ConfigError, counters
+from torch_ext.backend.dispatch import GuardFreeDispatchWarning
+from torch_ext.backend.runtime.cudagraph.concurrency import SerializedGraph
+
+THREADS = 6
+JOIN_TIMEOUT = 240
+
+
+def run_threads(work, count=THREADS):
+    """Start `count` threads together on work(i); return their results (re-raising any error)."""
+    barrier = threading.Barrier(count)
+    results, errors = [None] * count, []
+
+    def body(i):
+        try:
+            barrier.wait(timeout=60)
+            results[i] = work(i)
+        except BaseException as e:  # noqa: BLE001  (re-raised in the test's thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(JOIN_TIMEOUT)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+class Attention(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.out(F.scaled_dot_product_attention(q, k, v)).relu() + x
+
+
+def test_first_calls_from_many_threads_compile_each_size_once(tmp_path):
+    """Lazy size compiles and disk-cache writes, then, in a new backend, disk-cache loads: all from
+    threads starting together, each with its own batch size."""
+    model = Attention().eval()
+    sizes = [2, 4, 8, 2, 4, 8][:THREADS]  # (batch 1 would be its own graph: Dynamo specializes 1)
+    inputs = [torch.randn(n, 5, 32, generator=torch.Generator().manual_seed(n)) for n in sizes]
+    with torch.no_grad():
+        expected = [model(x) for x in inputs]
+    for round_ in ("compile", "load"):
+        torch._dynamo.reset()
+        counters.reset()
+        config = CompileConfig(cache_dir=str(tmp_path), splitting_ops=("aten::scaled_dot_product_attention",),
+                               compile_sizes=(1, 2, 4, 8))
+        compiled = torch.compile(model, backend=torch_ext.backend(config))
+        with torch.no_grad():
+            first = torch.randn(3, 5, 32)
+            torch._dynamo.mark_dynamic(first, 0)  # the batch dim: compile_sizes pick its variants
+            compiled(first)  # the general compile, on this thread: Dynamo traces once
+            pieces = counters.unique_pieces
+
+            def call(i):
+                with torch.no_grad():  # grad mode is per thread
+                    return compiled(inputs[i])
+
+            outs = run_threads(call)
+        for out, exp in zip(outs, expected):
+            torch.testing.assert_close(out, exp, rtol=1e-4, atol=1e-5)
+        assert counters.graphs_seen == 1
+        by_size = {v: n for v, n in counters.compiles_by_variant.items() if v.startswith("size")}
+        if round_ == "compile":
+            assert by_size == {f"size={n}": pieces for n in (2, 4, 8)}, by_size  # each once, not per thread
+        else:
+            assert by_size == {} and counters.cache_hits == 4 * pieces, (by_size, counters.cache_hits)
+
+
+def test_guard_free_dispatch_first_calls_from_many_threads():
+    model = Attention().eval()
+    x = torch.randn(4, 5, 32)
+    with torch.no_grad():
+        expected = model(x)
+        compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True))
+        def call(i):
+            with torch.no_grad():  # grad mode is per thread
+                return compiled(x.clone())
+
+        outs = run_threads(call)
+        for out in outs:
+            torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+        assert compiled.calls == THREADS  # through torch.compile's guards, one at a time, one compile
+        assert len(compiled.signatures) == 1
+        torch.testing.assert_close(compiled(x), expected, rtol=1e-4, atol=1e-5)  # armed: no guards now
+        assert compiled.calls == THREADS
+
+
+def test_serialized_graph_gives_each_thread_its_own_outputs():
+    """What a captured graph does (a static output buffer written on every replay), from many threads:
+    each caller's result stays what its own call computed, however the threads interleave."""
+    static = torch.zeros(64)
+
+    def graph(x):  # like a replay: fills the static buffer, returns it
+        static.copy_(x.expand(64))
+        return static
+
+    serialized = SerializedGraph(graph, "test graph")
+    first = serialized(torch.tensor(-1.0))
+    assert first is static  # one thread: the static output itself (valid until the next call)
+
+    def call(i):
+        mine = serialized(torch.tensor(float(i)))
+        for _ in range(200):  # other threads replay meanwhile
+            assert torch.equal(mine, torch.full((64,), float(i)))
+        return mine
+
+    outs = run_threads(call, count=8)
+    assert serialized.copies_outputs
+    for i, out in enumerate(outs):
+        assert out is not static and torch.equal(out, torch.full((64,), float(i)))
+
+
+class DropoutScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.drop = nn.Dropout(p=1.0)  # all zeros in training, identity in eval: no randomness to compare
+        self.scale = 2.0
+
+    def forward(self, x):
+        return self.drop(self.lin(x)) * self.scale
+
+
+def test_guard_free_dispatch_follows_train_eval_and_module_attributes():
+    model = DropoutScale().eval()
+    x = torch.randn(3, 16)
+    compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+        torch.testing.assert_close(compiled(x), model(x))  # the armed variant
+        model.train()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            assert torch.count_nonzero(compiled(x)) == 0  # dropout(p=1) in training, as eager
+            assert torch.count_nonzero(compiled(x)) == 0
+        assert sum("training flag is True" in str(w.message) for w in said if w.category is GuardFreeDispatchWarning) == 1
+        model.eval()
+        torch.testing.assert_close(compiled(x), model(x))
+        model.scale = 3.0
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            torch.testing.assert_close(compiled(x), model(x))  # 3.0, not the 2.0 compiled in
+            torch.testing.assert_close(compiled(x), model(x))
+        assert sum("scale" in str(w.message) for w in said if w.category is GuardFreeDispatchWarning) == 1
+
+
+def test_bad_configuration_is_named_with_its_fix(tmp_path):
+    a_file = tmp_path / "not_a_dir"
+    a_file.write_text("")
+    for path in (a_file, a_file / "sub"):
+        with pytest.raises(ConfigError, match=r"cache_dir.*is a file.*cache_dir=None"):
+            CompileConfig(cache_dir=str(path))
+    with pytest.raises(TypeError, match=r"CompileConfig\(\*\*\{'cudagraph_mode': 'none'\}\)"):
+        torch_ext.backend({"cudagraph_mode": "none"})
+    with pytest.raises(TypeError, match="must be a torch_ext.CompileConfig"):
+        torch_ext.compile(nn.Linear(2, 2), {"guard_free_dispatch": True})
