@@ -24,7 +24,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,n
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 what=${1:-all}; shift
 gpu_tests() {
-  timeout "$1" python3 -m pytest -q -s -p no:cacheprovider -p no:logging -m gpu tests/test_cudagraph_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+  timeout "$1" python3 -m pytest -q -s -p no:cacheprovider -p no:logging -m gpu tests/test_cudagraph_gpu.py \
+    tests/test_concurrency_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
 }
 cpu_suite() {  # the CPU suite on this machine's torch (2.11): 14 workers
   timeout "$1" python3 -m pytest -v -p no:cacheprovider -n 14 -rf --tb=short -m "not slow and not gpu" tests >"$OUT/cpu_suite.log" 2>&1

@@ -15,7 +15,7 @@ from torch import nn
 import torch_ext
 from torch_ext.backend import CompileConfig, ConfigError, counters
 from torch_ext.backend.dispatch import GuardFreeDispatchWarning
-from torch_ext.backend.runtime.cudagraph.concurrency import SerializedGraph
+from torch_ext.backend.runtime.cudagraph.concurrency import CallOrder, SerializedGraph
 
 THREADS = 6
 JOIN_TIMEOUT = 240
@@ -118,7 +118,7 @@ def test_serialized_graph_gives_each_thread_its_own_outputs():
         static.copy_(x.expand(64))
         return static
 
-    serialized = SerializedGraph(graph, "test graph")
+    serialized = SerializedGraph(graph, "test graph", CallOrder())
     first = serialized(torch.tensor(-1.0))
     assert first is static  # one thread: the static output itself (valid until the next call)
 

@@ -1,11 +1,12 @@
 """A compiled graph with CUDA graphs, called from many threads and CUDA streams at once.
 
-Captured graphs replay over static memory: input buffers, intermediates in the shared pool, and the
-outputs they return. Two calls in flight would copy into, replay over and read back the same memory,
-and in piecewise mode a piece's static outputs are still read by the splitting op and the pieces after
-it. `SerializedGraph` wraps what the backend returns when CUDA graphs are on:
+Captured graphs replay over static memory: input buffers, intermediates in the pool every graph of
+the backend shares, and the outputs they return. Two calls in flight would copy into, replay over and
+read back the same memory (also two different graphs: Dynamo's graph for batch 1 and its symbolic one
+share the pool), and in piecewise mode a piece's static outputs are still read by the splitting op and
+the pieces after it. `SerializedGraph` wraps what the backend returns when CUDA graphs are on:
 
-* one call at a time: a lock around the whole forward (host side);
+* one call at a time among all graphs of the backend (`CallOrder`): a lock around the whole forward;
 * device side, each call's work on its own stream waits for an event recorded after the previous
   call's work, on whatever stream that ran: the GPU never runs two calls over the same buffers;
 * once calls have come from more than one thread, outputs made by the graph are copied into tensors
@@ -28,17 +29,35 @@ import torch.utils._pytree as pytree
 log = logging.getLogger("torch_ext.backend.cudagraph")
 
 
-class SerializedGraph:
-    """Calls `fn` (a split graph with CUDA-graph runners, or a full-graph runner) one call at a time."""
+class CallOrder:
+    """One call at a time over the graphs of one backend, which share one memory pool: a lock, the
+    event after the last call's device work, and which threads have called."""
 
-    def __init__(self, fn: Callable, name: str):
+    def __init__(self):
+        self.lock = threading.RLock()  # re-entrant: full_and_piecewise falls back into its own pieces
+        self.event: torch.cuda.Event | None = None
+        self.thread: int | None = None  # the only thread seen so far
+        self.copies_outputs = False  # calls have come from more than one thread
+
+    def note_thread(self, name: str) -> None:
+        me = threading.get_ident()
+        if self.thread is None:
+            self.thread = me
+        elif me != self.thread and not self.copies_outputs:
+            self.copies_outputs = True
+            log.info("torch_ext: %s is called from more than one thread: its graphs run one call at a time, "
+                     "and each call returns outputs of its own (copied out of the graphs' static memory)", name)
+
+
+class SerializedGraph:
+    """Calls `fn` (a split graph with CUDA-graph runners, or a full-graph runner) in `order`: one call
+    at a time among all graphs sharing it (a backend's graphs share their memory pool)."""
+
+    def __init__(self, fn: Callable, name: str, order: CallOrder):
         self.fn = fn
         self.name = name
-        self._lock = threading.RLock()  # re-entrant: full_and_piecewise falls back into its own pieces
-        self._event: torch.cuda.Event | None = None  # after the last call's device work
+        self.order = order
         self._device: torch.device | None = None
-        self._thread: int | None = None  # the only thread seen so far
-        self.copies_outputs = False  # calls have come from more than one thread
 
     def __repr__(self) -> str:
         return f"SerializedGraph({self.name})"
@@ -48,29 +67,25 @@ class SerializedGraph:
             raise AttributeError(name)
         return getattr(self.fn, name)
 
+    @property
+    def copies_outputs(self) -> bool:
+        return self.order.copies_outputs
+
     def __call__(self, *args):
-        with self._lock:
-            self._note_thread()
+        order = self.order
+        with order.lock:
+            order.note_thread(self.name)
             device = self._device or self._find_device(args)
-            if device is not None and self._event is not None:
-                torch.cuda.current_stream(device).wait_event(self._event)
+            if device is not None and order.event is not None:
+                torch.cuda.current_stream(device).wait_event(order.event)
             out = self.fn(*args)
-            if self.copies_outputs:
+            if order.copies_outputs:
                 out = _own_outputs(out, args)
             if device is not None:
-                if self._event is None:
-                    self._event = torch.cuda.Event()
-                self._event.record(torch.cuda.current_stream(device))
+                if order.event is None:
+                    order.event = torch.cuda.Event()
+                order.event.record(torch.cuda.current_stream(device))
             return out
-
-    def _note_thread(self) -> None:
-        me = threading.get_ident()
-        if self._thread is None:
-            self._thread = me
-        elif me != self._thread and not self.copies_outputs:
-            self.copies_outputs = True
-            log.info("torch_ext: %s is called from more than one thread: its calls run one at a time, and "
-                     "each returns outputs of its own (copied out of the graphs' static memory)", self.name)
 
     def _find_device(self, args) -> torch.device | None:
         for a in args:

@@ -63,7 +63,7 @@ from torch_ext import compat
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.runtime.cudagraph.errors import (CudaGraphAddressError, CudaGraphBufferMutationError,
                                                 CudaGraphCaptureError, CudaGraphError, mutation_error)
-from torch_ext.backend.runtime.cudagraph.concurrency import SerializedGraph
+from torch_ext.backend.runtime.cudagraph.concurrency import CallOrder, SerializedGraph
 from torch_ext.backend.runtime.cudagraph.group import RunnerGroup
 from torch_ext.backend.runtime.cudagraph.runner import CudaGraphRunner
 from torch_ext.backend.runtime.cudagraph.stats import CudaGraphStats, cudagraph_stats
@@ -114,6 +114,7 @@ class CudaGraphManager:
         self.sizes = tuple(config.cudagraph_capture_sizes)
         self.num_warmup = max(1, config.cudagraph_num_warmup)
         self.check_addresses = config.cudagraph_check_addresses
+        self.call_order = CallOrder()  # the graphs share one pool: one call at a time among them
         self.bar_disabled = {True: False, False: True, None: None}[config.progress_bar]
         self._pools: dict[Any, Any] = {}
         self._streams: dict[Any, Any] = {}
@@ -185,12 +186,13 @@ class CudaGraphManager:
             self.warn_cpu_once()
         split_gm = split.split_gm
         if self.mode == "full":
-            return SerializedGraph(self._full_runner(split_gm, info, None), info.name)
+            return SerializedGraph(self._full_runner(split_gm, info, None), info.name, self.call_order)
         # The full graph captures plain pieces: it gets its own module before runners go in.
         full_gm = copy.copy(split_gm) if self.mode == "full_and_piecewise" else None
         self._wrap_pieces(split, info)
         # Many threads or streams may call it: one call at a time over the static memory (concurrency.py).
-        return SerializedGraph(split_gm if full_gm is None else self._full_runner(full_gm, info, split_gm), info.name)
+        return SerializedGraph(split_gm if full_gm is None else self._full_runner(full_gm, info, split_gm), info.name,
+                               self.call_order)
 
     def _full_runner(self, split_gm: fx.GraphModule, info: GraphInfo, fallback: Callable | None) -> CudaGraphRunner:
         group = RunnerGroup(self, f"{info.name} (full graph)")
