@@ -12,7 +12,9 @@ were any. Each column is warmed on the main thread at every batch size first.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,6 +45,42 @@ def build(column: str, model):
                                                   guard_free_dispatch=True, progress_bar=False))
 
 
+def run_column(column: str, args) -> list[str]:
+    """Cells of one column, in this process."""
+    counts = [int(t) for t in args.threads.split(",")]
+    model = cm.Blocks().to(args.device).eval()
+    compiled = build(column, model)
+    try:
+        with torch.no_grad():
+            first = cm.batch(3, args.device, seed=0)
+            torch._dynamo.mark_dynamic(first, 0)
+            compiled(first)
+            for n in range(1, 9):
+                for _ in range(3):
+                    compiled(cm.batch(n, args.device, seed=n))
+    except Exception as e:  # noqa: BLE001  (a column that cannot run says why)
+        return [f"failed: {type(e).__name__}"] * len(counts)
+    cells, base = [], None
+    for t in counts:
+        # Checked calls (each output against eager on the thread's input), then timed calls without
+        # the check (the eager reference would dominate the time, and its host work the GIL).
+        r = cm.hammer(compiled, model, threads=t, calls=max(5, args.calls // 4), max_batch=8,
+                      device=args.device, streams=args.streams)
+        if not r["errors"]:
+            timed = cm.hammer(compiled, model, threads=t, calls=args.calls, max_batch=8, device=args.device,
+                              streams=args.streams, check=False)
+            r["calls_per_s"], r["errors"] = timed["calls_per_s"], timed["errors"]
+        base = base or r["calls_per_s"]
+        cell = f"{r['calls_per_s']:.0f} ({r['calls_per_s'] / base:.2f}x)"
+        if r["wrong"]:
+            cell += f", {r['wrong']} wrong"
+        if r["errors"]:
+            cell += f", {len(r['errors'])} errors ({r['errors'][0][:60]})"
+        cells.append(cell)
+        print(f"  {column} x{t}: {cell}", file=sys.stderr, flush=True)
+    return cells
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -50,47 +88,27 @@ def main():
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--streams", action="store_true", help="each thread on its own CUDA stream")
     p.add_argument("--columns", default=",".join(COLUMNS))
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run one column, print its cells as JSON
     args = p.parse_args()
+    if args.one:
+        print(json.dumps(run_column(args.one, args)))
+        return
     counts = [int(t) for t in args.threads.split(",")]
-    model = cm.Blocks().to(args.device).eval()
-    rows = {t: [f"{t} thread{'s' if t > 1 else ''}"] for t in counts}
     columns = args.columns.split(",")
-    for column in columns:
-        torch._dynamo.reset()
-        compiled = build(column, model)
-        try:
-            with torch.no_grad():
-                first = cm.batch(3, args.device, seed=0)
-                torch._dynamo.mark_dynamic(first, 0)
-                compiled(first)
-                for n in range(1, 9):
-                    for _ in range(3):
-                        compiled(cm.batch(n, args.device, seed=n))
-        except Exception as e:  # noqa: BLE001  (a column that cannot run says why)
-            for t in counts:
-                rows[t].append(f"failed: {type(e).__name__}")
-            continue
-        base = None
-        for t in counts:
-            # Checked calls (each output against eager on the thread's input), then timed calls without
-            # the check (the eager reference would dominate the time, and its host work the GIL).
-            r = cm.hammer(compiled, model, threads=t, calls=max(5, args.calls // 4), max_batch=8,
-                          device=args.device, streams=args.streams)
-            if not r["errors"]:
-                timed = cm.hammer(compiled, model, threads=t, calls=args.calls, max_batch=8, device=args.device,
-                                  streams=args.streams, check=False)
-                r["calls_per_s"], r["errors"] = timed["calls_per_s"], timed["errors"]
-            base = base or r["calls_per_s"]
-            cell = f"{r['calls_per_s']:.0f} ({r['calls_per_s'] / base:.2f}x)"
-            if r["wrong"]:
-                cell += f", {r['wrong']} wrong"
-            if r["errors"]:
-                cell += f", {len(r['errors'])} errors ({r['errors'][0][:60]})"
-            rows[t].append(cell)
-            print(f"  {column} x{t}: {cell}", file=sys.stderr, flush=True)
+    cells = {}
+    for column in columns:  # a process each: a column that crashes the process (it happens) is one column
+        argv = [sys.executable, os.path.abspath(__file__), "--one", column, "--device", args.device,
+                "--threads", args.threads, "--calls", str(args.calls)] + (["--streams"] if args.streams else [])
+        out = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
+        lines = out.stdout.strip().splitlines()
+        if out.returncode == 0 and lines:
+            cells[column] = json.loads(lines[-1])
+        else:
+            cells[column] = [f"process died (exit {out.returncode})"] * len(counts)
     print(f"\ncalls/s, {args.calls} calls per thread, batch 1..8, {args.device}"
           f"{', a CUDA stream per thread' if args.streams else ''}, torch {torch.__version__}")
-    print_table(["threads", *columns], [rows[t] for t in counts])
+    rows = [[f"{t} thread{'s' if t > 1 else ''}"] + [cells[c][i] for c in columns] for i, t in enumerate(counts)]
+    print_table(["threads", *columns], rows)
 
 
 if __name__ == "__main__":
