@@ -118,3 +118,29 @@ def test_split_at_sdpa_once_per_layer_with_dynamic_batch_and_sequence(fx_pieces,
     assert not [r for r in caplog.records if "matches no call" in r.getMessage()]
     assert counters.graphs_seen == 1  # dynamic in batch and sequence: no recompile
     assert (counters.splitting_op_calls, counters.pieces) == (hf.LAYERS, hf.LAYERS + 1)
+
+
+def test_compiling_a_model_with_generate_says_to_compile_its_forward(fx_pieces):
+    """generate() calls model.forward itself, never the compiled wrapper: generate on torch_ext.compile(model)
+    says so (once), naming the fix; compiling the forward serves generate, with eager's tokens."""
+    from torch_ext.backend.dispatch.entry import GenerateCallsForwardWarning
+
+    model = hf.build("llama").eval()
+    ids = hf.token_ids(1, PROMPT)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    counters.reset()
+    for config in (CompileConfig(cache_dir=None), CompileConfig(cache_dir=None, guard_free_dispatch=True)):
+        wrapped = torch_ext.compile(model, config)
+        with torch.no_grad(), pytest.warns(GenerateCallsForwardWarning,
+                                           match=r"model.forward = torch_ext.compile\(model.forward"):
+            assert torch.equal(wrapped.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0), expected)
+    assert counters.graphs_seen == 0  # nothing compiled: what the warning says
+    original = model.forward
+    model.forward = torch_ext.compile(model.forward, CompileConfig(cache_dir=None, splitting_ops=(SDPA,)))
+    try:
+        with torch.no_grad():
+            generated = model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    finally:
+        model.forward = original
+    assert counters.graphs_seen >= 1 and torch.equal(generated, expected)

@@ -1,6 +1,8 @@
 """`torch_ext.compile`: torch.compile with the torch_ext backend, guard-free dispatch and warm start."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from torch_ext.backend.backend import TorchExtBackend
@@ -8,13 +10,39 @@ from torch_ext.backend.dispatch.dispatcher import GuardFreeDispatcher, forward_o
 from torch_ext.backend.warm_start import program as warm_program
 
 
+class GenerateCallsForwardWarning(UserWarning):
+    """generate() was called on torch_ext.compile(model): it calls `model.forward` itself, uncompiled."""
+
+
 def compile(model, config=None, *, dynamic: bool | None = None):
     """torch.compile with the torch_ext backend; with config.guard_free_dispatch, a GuardFreeDispatcher."""
     backend = TorchExtBackend(config)
     if backend.config.guard_free_dispatch:
-        return GuardFreeDispatcher(model, backend, dynamic=dynamic, debug_dir=backend.config.debug_dump_dir,
-                                   warm_start=True)
-    compiled = torch.compile(model, backend=backend, dynamic=dynamic)
-    func, self_arg = forward_of(model)
-    warm = warm_program.for_forward(model, func, self_arg, backend, dynamic) if func is not None else None
-    return compiled if warm is None else warm_program.WarmStartModule(model, compiled, warm)
+        compiled = GuardFreeDispatcher(model, backend, dynamic=dynamic, debug_dir=backend.config.debug_dump_dir,
+                                       warm_start=True)
+    else:
+        compiled = torch.compile(model, backend=backend, dynamic=dynamic)
+        func, self_arg = forward_of(model)
+        warm = warm_program.for_forward(model, func, self_arg, backend, dynamic) if func is not None else None
+        if warm is not None:
+            compiled = warm_program.WarmStartModule(model, compiled, warm)
+    if isinstance(model, torch.nn.Module) and callable(getattr(type(model), "generate", None)):
+        # Hugging Face's generate() calls self.forward, never this wrapper: say so where it is called.
+        object.__setattr__(compiled, "generate", _generate_that_says(model))
+    return compiled
+
+
+def _generate_that_says(model):
+    said = []
+
+    def generate(*args, **kwargs):
+        if not said:
+            said.append(True)
+            name = type(model).__name__
+            warnings.warn(f"torch_ext: compiled({name}).generate() runs {name}.generate, which calls model.forward "
+                          "directly: it runs uncompiled. For generate, compile the forward: "
+                          "model.forward = torch_ext.compile(model.forward, config)",
+                          GenerateCallsForwardWarning, stacklevel=2)
+        return model.generate(*args, **kwargs)
+
+    return generate
