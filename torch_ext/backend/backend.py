@@ -41,14 +41,14 @@ class TorchExtBackend:
     def __init__(self, config: CompileConfig | None = None):
         # Models bring nested_compile_region layers: trace them with torch_ext's VariableTrackers
         # (torch's own reuse path crashes on dynamic shapes) and avoid torch's known wrong results.
-        if not is_installed():
-            log.info("torch_ext: the torch_ext backend calls torch_ext.install()")
-            install()
         if config is not None and not isinstance(config, CompileConfig):
             hint = f"torch_ext.backend(CompileConfig(**{config!r}))" if isinstance(config, dict) else \
                 "torch_ext.backend(CompileConfig(...))"
             raise TypeError(f"torch_ext backend: config must be a torch_ext.CompileConfig, got "
                             f"{type(config).__name__} {config!r}. Write {hint}")
+        if not is_installed():
+            log.info("torch_ext: the torch_ext backend calls torch_ext.install()")
+            install()
         self.config = config if config is not None else CompileConfig()
         self.matcher = SplittingOpMatcher(self.config.splitting_ops)
         self.builder = VariantBuilder(InductorCompiler(self.config))

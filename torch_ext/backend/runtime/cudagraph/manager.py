@@ -214,7 +214,7 @@ class CudaGraphManager:
         group = RunnerGroup(self, info.name)
         self.groups.append(group)
         split_gm = split.split_gm
-        if any(p.kind == "hop" for p in split.pieces):
+        if any(p.kind == "hop" and p.checkpoint is None for p in split.pieces):  # (checkpoints: training only)
             self.note_once(("in_body",), "torch_ext: pieces inside HOP bodies split in_body run without CUDA "
                            "graphs (a body is shared by its call sites); hop_split='inline' captures them")
         for node in list(split_gm.graph.nodes):
