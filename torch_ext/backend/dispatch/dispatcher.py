@@ -39,7 +39,7 @@ With CUDA graphs on (cudagraph_mode != "none"), whatever the dispatch: a forward
 module buffer or parameter (`self.buf = ...`) makes Dynamo's code store a new tensor into the
 module after each call, while captured graphs keep reading the old one. The bytecode hook finds
 that store in the transformed code and raises CudaGraphBufferMutationError showing it.
-(In-place updates of module state are refused at graph level, see cudagraph.CudaGraphManager.prepare.)
+(In-place updates of module state are refused at graph level, see runtime/cudagraph/manager.CudaGraphManager.prepare.)
 """
 from __future__ import annotations
 

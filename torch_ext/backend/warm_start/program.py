@@ -7,7 +7,7 @@ once through torch's AOT compile (compat.aot_compile) and the entry written for 
 
 What an entry holds: Dynamo's transformed bytecode and its guards (torch's AOTCompiledFunction,
 serialized), the Dynamo graph with the fake values the backend reads and the directory key of its pieces
-(warm_graph.SavedGraph: loading runs the backend on that graph again, every piece a disk-cache
+(saved_graph.SavedGraph: loading runs the backend on that graph again, every piece a disk-cache
 hit), the dim markings of the argument tensors, and the digest of every file Dynamo traced.
 
 The key holds what decides the trace or the pieces' directory: torch/Python/Triton/CUDA versions
@@ -39,7 +39,7 @@ import torch
 from torch_ext import config as torch_ext_config
 from torch_ext import compat
 from torch_ext.backend.warm_start import key as warm_key
-from torch_ext.backend.warm_start import saved_graph as warm_graph
+from torch_ext.backend.warm_start import saved_graph
 from torch_ext.backend.runtime.cudagraph.buffer_stores import buffer_assignments
 from torch_ext.backend.compile.cache import ArtifactStore, _file_digest
 from torch_ext.backend.counters import counters
@@ -189,7 +189,7 @@ class WarmStart:
             return None
         if entry.get("cpu_vec_isa") is not None:  # the pieces' C++ kernels: skip Inductor's ISA probe
             compat.prime_cpu_vec_isa(entry["cpu_vec_isa"])
-        token = warm_graph.loading_backend.set(self.backend)
+        token = saved_graph.loading_backend.set(self.backend)
         try:
             aliases = {name: importlib.import_module(module) for name, module in entry["module_aliases"].items()}
             aot = compat.aot_deserialize(entry["aot"], {**self.func.__globals__, **aliases}, entry["marks"],
@@ -204,7 +204,7 @@ class WarmStart:
             self._load_failure = reason
             return None
         finally:
-            warm_graph.loading_backend.reset(token)
+            saved_graph.loading_backend.reset(token)
         counters.warm_start_loads += 1
         return program
 
@@ -239,7 +239,7 @@ class WarmStart:
     def _compile_and_save(self, store: ArtifactStore, name: str, factors: dict, args: tuple, kwargs: dict):
         try:
             aot, traced = compat.retrying_float_restarts(lambda: compat.aot_compile(
-                self.func, self.self_arg, args, kwargs, warm_graph.backend_for_save(self.backend),
+                self.func, self.self_arg, args, kwargs, saved_graph.backend_for_save(self.backend),
                 dynamic=self.dynamic, guard_filter=self._guard_filter))
         except Exception as e:
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -262,7 +262,7 @@ class WarmStart:
             entry = {"format": FORMAT, "factors": factors, "sources": sources, "cpu_vec_isa": compat.cpu_vec_isa_names(),
                      "retraced_after": self._load_failure,
                      "module_aliases": compat.aot_module_aliases(aot, self.func.__globals__),
-                     "marks": warm_graph.tensor_marks(arguments), "aot": compat.aot_serialize(aot, self._external())}
+                     "marks": saved_graph.tensor_marks(arguments), "aot": compat.aot_serialize(aot, self._external())}
         except Exception as e:  # the program runs here; the next process traces again
             self.say("unsaved", "the traced program cannot be saved (%s: %s); the next process traces it again",
                      type(e).__name__, e, level=logging.WARNING)

@@ -9,7 +9,6 @@ it. (In-place updates of module state are refused at graph level, see manager.Cu
 from __future__ import annotations
 
 import dis
-import threading
 import types
 from typing import Any
 
@@ -20,7 +19,7 @@ from torch_ext.backend.runtime.cudagraph.errors import CudaGraphBufferMutationEr
 
 _STATE_DICTS = ("_buffers", "_parameters")
 
-_lock = threading.Lock()
+# Both functions run while Dynamo compiles a frame, under its compile lock: no lock of our own.
 _hook_handle = None
 # (compile id, what) for frames in which a backend with CUDA graphs compiled a graph; the hook for
 # the same compile checks the frame's code (entries of aborted compiles are dropped).
@@ -30,19 +29,17 @@ _pending_checks: list[tuple[Any, str]] = []
 def expect_transformed_code(what: str) -> None:
     """Called by a backend with CUDA graphs while Dynamo compiles a frame: check that frame's code."""
     global _hook_handle
-    with _lock:
-        _pending_checks.append((torch._guards.CompileContext.current_compile_id(), what))
-        if _hook_handle is None:
-            _hook_handle = torch._dynamo.convert_frame.register_bytecode_hook(_check_transformed_code)
+    _pending_checks.append((torch._guards.CompileContext.current_compile_id(), what))
+    if _hook_handle is None:
+        _hook_handle = torch._dynamo.convert_frame.register_bytecode_hook(_check_transformed_code)
 
 
 def _check_transformed_code(code: types.CodeType, new_code: types.CodeType):
-    with _lock:
-        if not _pending_checks:
-            return None
-        current = torch._guards.CompileContext.current_compile_id()
-        mine = [what for compile_id, what in _pending_checks if compile_id == current]
-        _pending_checks.clear()  # Dynamo compiles one frame at a time (its compile lock)
+    if not _pending_checks:
+        return None
+    current = torch._guards.CompileContext.current_compile_id()
+    mine = [what for compile_id, what in _pending_checks if compile_id == current]
+    _pending_checks.clear()  # entries of aborted compiles go too
     found = buffer_assignments(new_code) if mine else []
     if found:
         raise _assignment_error(code, new_code, found, mine[-1])
