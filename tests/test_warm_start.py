@@ -132,7 +132,10 @@ def test_guard_free_dispatch_arms_the_loaded_program(tmp_path):
 
 
 @aot_only
-def test_a_call_the_program_was_not_traced_for_goes_through_dynamo(tmp_path, fx_pieces, caplog):
+def test_a_call_the_static_program_refuses_gets_a_dynamic_program_saved_for_the_next_process(tmp_path, fx_pieces,
+                                                                                              caplog):
+    """As Dynamo's automatic dynamic: the first call of a kind is traced with static sizes, a call with
+    other sizes gets the kind's dynamic entry (traced once, saved); the next process loads both."""
     model = bm.Decoder(layers=2)
     cfg = config(tmp_path)
     x = bm.batch(4, seed=0)  # not marked: Dynamo specializes the batch size to 4
@@ -144,13 +147,41 @@ def test_a_call_the_program_was_not_traced_for_goes_through_dynamo(tmp_path, fx_
     with caplog.at_level(logging.INFO, logger="torch_ext.backend.warm_start"), torch.no_grad():
         torch.testing.assert_close(compiled(x, model.caches()), cold, rtol=0, atol=0)
         assert counters.warm_start_loads == 1 and counters.graphs_seen == 2  # cold + loaded, no trace
-        y = bm.batch(6, seed=1)  # another size: the saved guards refuse it
-        torch.testing.assert_close(compiled(y, model.caches()), model(y, model.caches()))
-        compiled(bm.batch(7, seed=2), model.caches())
-    assert counters.warm_start_fallbacks == 2
-    assert counters.graphs_seen == 4  # Dynamo traced the calls at 6, then at 7 (now with a dynamic batch)
+        for n in (6, 7):  # other sizes: the saved guards refuse them; the dynamic program takes both
+            y = bm.batch(n, seed=n)
+            torch.testing.assert_close(compiled(y, model.caches()), model(y, model.caches()))
+    assert counters.warm_start_saves == 2 and counters.warm_start_fallbacks == 0
+    assert len(entries(tmp_path)) == 2
     said = [r.getMessage() for r in caplog.records if "was not traced for" in r.getMessage()]
     assert len(said) == 1 and "L['x']" in said[0], said  # one line, saying which argument
+
+    compiled = new_process(model, cfg)
+    with torch.no_grad():
+        for n in (4, 9, 6):
+            y = bm.batch(n, seed=n)
+            torch.testing.assert_close(compiled(y, model.caches()), model(y, model.caches()))
+    assert counters.warm_start_loads == 3 and counters.warm_start_saves == 2 and counters.warm_start_fallbacks == 0
+
+
+@aot_only
+def test_with_dynamic_false_a_call_the_program_was_not_traced_for_goes_through_dynamo(tmp_path, fx_pieces, caplog):
+    model = bm.Decoder(layers=2)
+    cfg = config(tmp_path)
+    x = bm.batch(4, seed=0)
+    with torch.no_grad():
+        torch._dynamo.reset()
+        torch_ext.compile(model, cfg, dynamic=False)(x, model.caches())
+        torch._dynamo.reset()
+        compiled = torch_ext.compile(model, cfg, dynamic=False)
+        compiled(x, model.caches())
+        with caplog.at_level(logging.INFO, logger="torch_ext.backend.warm_start"):
+            for n in (6, 7):
+                y = bm.batch(n, seed=n)
+                torch.testing.assert_close(compiled(y, model.caches()), model(y, model.caches()))
+    assert counters.warm_start_loads == 1 and counters.warm_start_saves == 1
+    assert counters.warm_start_fallbacks == 2 and counters.graphs_seen == 4  # Dynamo traced 6 and 7
+    said = [r.getMessage() for r in caplog.records if "goes through torch.compile" in r.getMessage()]
+    assert len(said) == 1, said
 
 
 @aot_only
@@ -175,8 +206,10 @@ def test_int_argument_specialized_by_dynamo_is_guarded(tmp_path, fx_pieces):
     new_process(model, cfg)(x, 2)
     compiled = new_process(model, cfg)
     torch.testing.assert_close(compiled(x, 2), model(x, 2))
-    torch.testing.assert_close(compiled(x, 3), model(x, 3))  # not the program traced for n=2
-    assert counters.warm_start_loads == 1 and counters.warm_start_fallbacks == 1
+    torch.testing.assert_close(compiled(x, 3), model(x, 3))  # not the program traced for n=2: n symbolic
+    assert counters.warm_start_loads == 1 and counters.warm_start_saves == 2 and counters.warm_start_fallbacks == 0
+    torch.testing.assert_close(new_process(model, cfg)(x, 5), model(x, 5))  # the dynamic program, loaded
+    assert counters.warm_start_loads == 3 and counters.warm_start_saves == 2 and counters.warm_start_fallbacks == 0
 
 
 def _damage_truncate(path):
@@ -204,18 +237,18 @@ def _damage_unloadable(path):
 def test_damaged_entry_is_reported_set_aside_and_traced_again(tmp_path, fx_pieces, caplog, damage):
     model = bm.Decoder(layers=2)
     cfg = config(tmp_path)
-    calls(new_process(model, cfg), model)
+    calls(new_process(model, cfg), model, sizes=(4, 6))
     (path,) = entries(tmp_path)
     damage(path)
     counters.reset()
     with caplog.at_level(logging.WARNING, logger="torch_ext.backend.compile.cache"):
-        calls(new_process(model, cfg), model)
+        calls(new_process(model, cfg), model, sizes=(4, 6))
     assert counters.cache_damaged == 1 and counters.warm_start_loads == 0 and counters.warm_start_saves == 1
     assert any("damaged" in r.getMessage() and os.path.basename(path) in r.getMessage() for r in caplog.records)
     assert os.path.exists(path + ".damaged")
     cache_mod.unpack(open(path, "rb").read())  # rewritten whole
     counters.reset()
-    calls(new_process(model, cfg), model)
+    calls(new_process(model, cfg), model, sizes=(4, 6))
     assert counters.warm_start_loads == 1
 
 
@@ -254,7 +287,7 @@ def test_entry_key_changes_with_what_changes_the_trace(tmp_path, monkeypatch, ch
     cfg = config(tmp_path)
     compiled = torch_ext.compile(model, cfg)
     x = bm.batch(4)
-    key = lambda: compiled.warm.entry_key((x, model.caches()), {})[0]  # noqa: E731
+    key = lambda: compiled.warm.entry_key((x, model.caches()), {}, None)[0]  # noqa: E731
     with torch.no_grad(), contextlib.ExitStack() as stack:
         before = key()
         assert key() == before
@@ -342,18 +375,18 @@ def test_warm_start_off_or_unavailable(tmp_path, caplog):
 def test_an_entry_that_does_not_load_is_traced_once_more_then_refused(tmp_path, fx_pieces, monkeypatch):
     model = bm.Decoder(layers=2)
     cfg = config(tmp_path)
-    calls(new_process(model, cfg), model)
+    calls(new_process(model, cfg), model, sizes=(4, 6))
 
     def cannot_load(*args, **kwargs):
         raise RuntimeError("torch cannot load it")
 
     monkeypatch.setattr(compat, "aot_deserialize", cannot_load)
-    calls(new_process(model, cfg), model)  # set aside, traced and saved once more
+    calls(new_process(model, cfg), model, sizes=(4, 6))  # set aside, traced and saved once more
     assert counters.warm_start_saves == 2 and counters.cache_damaged == 1
-    calls(new_process(model, cfg), model)  # the second failure: refused, through torch.compile
+    calls(new_process(model, cfg), model, sizes=(4, 6))  # the second failure: refused, through torch.compile
     traced = []
     monkeypatch.setattr(compat, "aot_compile", lambda *a, **k: traced.append(1))
-    calls(new_process(model, cfg), model)
+    calls(new_process(model, cfg), model, sizes=(4, 6))
     assert traced == [] and counters.warm_start_saves == 2 and counters.warm_start_loads == 0
 
 

@@ -131,9 +131,13 @@ class GuardFreeDispatcher:
         self._graph_inputs: dict | None = None  # set by the backend during a guarded call
         self._noted: set = set()
         self.calls = 0  # calls that went through Dynamo (1 while every call matches the first)
-        # Warm start (warm_start/program.py): the first call runs, and arms, the program saved by an earlier process.
+        # Warm start (warm_start/program.py): a call no armed variant takes runs, and arms, a saved program.
         self.warm = warm_program.for_forward(model, func, self_arg, backend, dynamic) if warm_start else None
+        self._warm_programs: tuple = ()  # loaded for an earlier call, not armed (that call did not fit them)
         _ensure_hook()
+
+    def __reduce__(self):  # pickled with a module whose forward it replaced (see SavedStandIn)
+        return warm_program.SavedStandIn, (self.func.__qualname__,)
 
     def __repr__(self) -> str:
         state = f"{len(self._variants)} armed" if self._variants else "not compiled yet"
@@ -170,19 +174,17 @@ class GuardFreeDispatcher:
             return self._guarded_call_locked(args, kwargs, stale)
 
     def _guarded_call_locked(self, args, kwargs, stale: ModuleState | None):
-        if self.warm is not None:
-            warm, self.warm = self.warm, None  # consulted at the first call only
-            program = warm.program(args, kwargs)
-            reason = program.mismatch(args, kwargs) if program is not None else "no program"
-            if reason is None:
+        if self.warm is not None:  # a program saved by an earlier process (or traced now and saved) for this call
+            program = next((p for p in self._warm_programs if p.accepts(args, kwargs)), None)
+            if program is None:
+                program, loaded = self.warm.find(args, kwargs, self._warm_programs)
+                self._warm_programs = tuple(p for p in loaded if p is not program) + self._warm_programs
+            if program is not None:
                 out = program(args, kwargs)
                 fast = functools.partial(program.function, self.self_arg) if self.self_arg is not None \
                     else program.function
                 self._arm(args, kwargs, ready=(fast, program.graph_inputs))
                 return out
-            if program is not None:
-                warm.say("mismatch", "the first call does not match the saved program (%s); it goes through "
-                         "torch.compile", reason)
         if self.signatures:
             self._warn_mismatch(args, kwargs)
         self.calls += 1

@@ -22,6 +22,12 @@ def rooted_at(guard_name: str, names: list[str]) -> bool:
     return any(re.search(rf"(^|[(\[']){re.escape(n)}\b", guard_name) for n in names)
 
 
+def through_class(guard_name: str) -> bool:
+    """Whether a guard's source reaches its object through a class (`type(x)...`, `x.__class__...`,
+    `...__mro__...`): a method or property of the class, not something the caller passed."""
+    return bool(re.search(r"(^|[(\[.])type\(|__class__|__mro__", guard_name))
+
+
 def tensors(value):
     if isinstance(value, torch.Tensor):
         yield value
@@ -68,6 +74,31 @@ def model_digest(self_arg) -> str:
         for name, t in items:
             h.update(f"{kind}{name}:{tuple(t.shape)}:{t.stride()}:{t.dtype}:{t.device}:{t.requires_grad}\n".encode())
     return h.hexdigest()
+
+
+def config_digest(self_arg) -> str:
+    """The model's config object where it has one with `to_dict()` (Hugging Face's PretrainedConfig):
+    values the forward reads from it are guarded, but a program is not worth loading for another config."""
+    to_dict = getattr(getattr(self_arg, "config", None), "to_dict", None)
+    if not callable(to_dict):
+        return ""
+    try:
+        return hashlib.sha256(_stable_repr(to_dict()).encode()).hexdigest()
+    except Exception as e:  # a config that cannot describe itself: the guards alone decide
+        return f"unavailable ({type(e).__name__})"
+
+
+@functools.lru_cache(maxsize=32)
+def library_version(module_name: str) -> str:
+    """The installed version of the distribution a forward's top-level package comes from
+    (transformers 5.17.0): a program traced under another version is not loaded."""
+    import importlib.metadata
+
+    top = module_name.partition(".")[0]
+    try:
+        return f"{top}=={importlib.metadata.version(top)}"
+    except importlib.metadata.PackageNotFoundError:
+        return top  # a local module: its source digest decides
 
 
 def dynamo_config_digest() -> str:

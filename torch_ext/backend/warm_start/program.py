@@ -49,6 +49,7 @@ log = logging.getLogger("torch_ext.backend.warm_start")  # the name README docum
 
 FORMAT = "torch_ext warm start v1"
 STORE = "warm_start"  # <cache_dir>/warm_start/{artifacts,locks,tmp}: one ArtifactStore
+MAX_PROGRAMS = 8  # entries one forward looks up per process (kinds of call x static/dynamic)
 _IDENTITY_GUARDS = ("CLASS_MATCH", "CLOSURE_MATCH", "FUNCTION_MATCH")
 
 
@@ -85,6 +86,9 @@ class Program:
         self.function = aot.fn  # the transformed forward; takes `self` first for a method
         self.graph_inputs = compat.aot_backend_result(aot).graph_inputs
 
+    def accepts(self, args: tuple, kwargs: dict) -> bool:
+        return self.mismatch(args, kwargs) is None
+
     def mismatch(self, args: tuple, kwargs: dict) -> str | None:
         """Why the saved guards refuse this call, or None."""
         if self.self_arg is not None:
@@ -109,6 +113,8 @@ class WarmStart:
         self.name = func.__qualname__
         self._said: set[str] = set()
         self._load_failure: str | None = None  # why the entry found did not load (it is traced once more)
+        self._tried: set[str] = set()  # entry names looked up (loaded, traced or refused) by this process
+        self._refused = False  # an entry could not be traced: no more looking (each costs a key)
 
     def say(self, key: str, msg: str, *args, level: int = logging.INFO) -> None:
         """One log line per kind of event."""
@@ -116,10 +122,50 @@ class WarmStart:
             self._said.add(key)
             log.log(level, "torch_ext warm start of %s: " + msg, self.name, *args)
 
-    def program(self, args: tuple, kwargs: dict) -> Program | None:
-        """The program for this (first) call: loaded, or traced and saved; None: use torch.compile."""
+    def find(self, args: tuple, kwargs: dict, at_hand: tuple[Program, ...] = ()) -> tuple[Program | None, list[Program]]:
+        """For a call no program at hand accepts: (the program that accepts it or None: use
+        torch.compile, every program loaded or traced on the way). A forward gets one entry per kind
+        of call (the key holds the argument names, types, ranks: generate's prefill and decode are
+        two); a call its kind's entry refuses (another prompt length) gets the kind's dynamic entry,
+        traced with every dim dynamic, as Dynamo's automatic dynamic would after a recompile (unless
+        `dynamic=False`). At most MAX_PROGRAMS entries per forward and process. `at_hand`: the
+        programs the caller holds (none accepts this call)."""
+        if at_hand:
+            self.say("mismatch", "a call the saved program was not traced for (%s); looking for one traced for it",
+                     at_hand[0].mismatch(args, kwargs))
+        found, loaded = None, []
+        if self._refused:
+            return found, loaded
+        for dynamic in (self.dynamic, True) if self.dynamic is None else (self.dynamic,):
+            try:
+                name, factors = self.entry_key(args, kwargs, dynamic)
+            except Exception as e:  # an argument the key cannot describe: torch.compile
+                self.say("key", "cannot describe this call for the cache (%s: %s); it goes through torch.compile",
+                         type(e).__name__, e, level=logging.WARNING)
+                break
+            if name in self._tried:
+                continue
+            if len(self._tried) >= MAX_PROGRAMS:
+                self.say("limit", "%d saved programs in this process; calls none accepts go through "
+                         "torch.compile", MAX_PROGRAMS, level=logging.WARNING)
+                break
+            self._tried.add(name)
+            program = self.program(args, kwargs, name, factors, dynamic)
+            if program is None:
+                self._refused = True
+                break
+            loaded.append(program)
+            reason = program.mismatch(args, kwargs)
+            if reason is None:
+                found = program
+                break
+            self.say("mismatch " + name, "a call the %s program was not traced for (%s)",
+                     "dynamic" if dynamic else "saved", reason)
+        return found, loaded
+
+    def program(self, args: tuple, kwargs: dict, name: str, factors: dict, dynamic: bool | None) -> Program | None:
+        """The program of entry `name`: loaded, or traced for this call and saved; None: use torch.compile."""
         try:
-            name, factors = self.entry_key(args, kwargs)
             store = ArtifactStore(self.backend.config.cache_dir, STORE)
         except OSError as e:
             self.say("store", "cannot use the cache dir (%s); tracing through torch.compile", e,
@@ -131,7 +177,7 @@ class WarmStart:
             with store.lock(name):  # one process traces and saves; the others then load
                 found = self._load(store, name, quiet=True)
                 if found is None:
-                    found = self._compile_and_save(store, name, factors, args, kwargs)
+                    found = self._compile_and_save(store, name, factors, args, kwargs, dynamic)
         if isinstance(found, Program):
             log.info("torch_ext warm start of %s: ready in %.2f s", self.name, time.perf_counter() - start)
             return found
@@ -139,11 +185,8 @@ class WarmStart:
 
     # -- the key ------------------------------------------------------------------------------------
 
-    def entry_key(self, args: tuple, kwargs: dict) -> tuple[str, dict[str, str]]:
+    def entry_key(self, args: tuple, kwargs: dict, dynamic: bool | None) -> tuple[str, dict[str, str]]:
         config = self.backend.config
-        devices = {t.device.type for t in warm_key.tensors((args, kwargs))}
-        if isinstance(self.model, torch.nn.Module):
-            devices |= {t.device.type for t in warm_key.module_tensors(self.model)}
         factors = {
             "format": FORMAT,
             "torch_ext": warm_key.package_digest(),
@@ -153,9 +196,16 @@ class WarmStart:
             "forward": f"{self.func.__module__}.{self.func.__qualname__} "
                        f"{_file_digest(self.func.__code__.co_filename)}",
             "model": warm_key.model_digest(self.self_arg),
+            "model_config": warm_key.config_digest(self.self_arg),
+            "library": warm_key.library_version(self.func.__module__),
+        }
+        devices = {t.device.type for t in warm_key.tensors((args, kwargs))}
+        if isinstance(self.model, torch.nn.Module):
+            devices |= {t.device.type for t in warm_key.module_tensors(self.model)}
+        factors |= {
             "inputs": warm_key.spec((args, kwargs)),
             "mode": f"grad={torch.is_grad_enabled()} inference={torch.is_inference_mode_enabled()} "
-                    f"dynamic={self.dynamic}",
+                    f"dynamic={dynamic}",
             **process_factors(devices, collectives=True),
         }
         digest = hashlib.sha256(repr(sorted(factors.items())).encode()).hexdigest()
@@ -223,8 +273,10 @@ class WarmStart:
         their methods, closures of a decorated forward): in another process these are new objects
         made from the same source, which the entry checks instead (traced files' digests; the classes
         of the model's modules are in the key); guards on the forward's closure (the function a
-        decorator wraps, its defaults) go for the same reason. Such a guard on an argument stays: passing another
-        function must not run the saved code; it cannot be saved, so the entry is refused."""
+        decorator wraps, its defaults) go for the same reason, and so do those on what an argument's class
+        holds (`type(x).__mro__[1].__dict__['f'].fget`: a cache's property): the class itself is matched
+        (TYPE_MATCH on the argument), its source by digest. An identity guard on an argument itself stays:
+        passing another function must not run the saved code; it cannot be saved, so the entry is refused."""
         params = list(inspect.signature(self.func, follow_wrapped=False).parameters)
         arguments = params[1:] if self.self_arg is not None else params
         closure = list(self.func.__code__.co_freevars)  # a decorator's cells: the function it wraps
@@ -232,15 +284,17 @@ class WarmStart:
         for e in entries:
             identity = e.guard_type in _IDENTITY_GUARDS or (e.guard_type == "CONSTANT_MATCH" and e.has_value
                                                              and isinstance(e.value, types.CodeType))
-            keep.append(not e.is_global and not (identity and not warm_key.rooted_at(e.name, arguments))
+            on_argument = warm_key.rooted_at(e.name, arguments) and not warm_key.through_class(e.name)
+            keep.append(not e.is_global and not (identity and not on_argument)
                         and not warm_key.rooted_at(e.name, closure))
         return keep
 
-    def _compile_and_save(self, store: ArtifactStore, name: str, factors: dict, args: tuple, kwargs: dict):
+    def _compile_and_save(self, store: ArtifactStore, name: str, factors: dict, args: tuple, kwargs: dict,
+                          dynamic: bool | None):
         try:
             aot, traced = compat.retrying_float_restarts(lambda: compat.aot_compile(
                 self.func, self.self_arg, args, kwargs, saved_graph.backend_for_save(self.backend),
-                dynamic=self.dynamic, guard_filter=self._guard_filter))
+                dynamic=dynamic, guard_filter=self._guard_filter))
         except Exception as e:
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             # A forward Dynamo cannot capture whole (a graph break) is the user's to know of when asked for;
@@ -281,36 +335,60 @@ def _write(store: ArtifactStore, name: str, entry: dict) -> bool:
         return False
 
 
+class SavedStandIn:
+    """What a torch_ext-compiled forward becomes when something that holds it is pickled: Dynamo's
+    saved guard state keeps a module's callable attributes, and `model.forward = torch_ext.compile(
+    model.forward)` puts the wrapper (with its backend, locks and graphs) in the module's __dict__.
+    The saved guards never call it."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"SavedStandIn({self.name})"
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"torch_ext: {self.name} was compiled in another process; compile it again here")
+
+
 class WarmStartModule:
-    """torch_ext.compile's result with warm start (without guard-free dispatch): calls the saved or
-    just traced program where its guards accept the call, else the torch.compile'd model."""
+    """torch_ext.compile's result with warm start (without guard-free dispatch): calls the first
+    program (saved or just traced) whose guards accept the call; a call none accepts looks for its
+    entry (WarmStart.find), else goes through the torch.compile'd model."""
 
     def __init__(self, model, compiled, warm: WarmStart):
         self.model = model
-        self.compiled = compiled  # torch.compile(model, backend=...): traces on its first call only
+        self.compiled = compiled  # torch.compile(model, backend=...): traces only for calls no program takes
         self.warm = warm
-        self.program_: Program | None = None
-        self._tried = False
+        self.programs: tuple[Program, ...] = ()  # newest first; replaced whole (other threads read it)
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"WarmStartModule({self.warm.name}, {'program ready' if self.program_ else 'no program'})"
+        return f"WarmStartModule({self.warm.name}, {len(self.programs)} programs)"
 
     def __call__(self, *args, **kwargs):
-        if not self._tried:
-            with self._lock:  # first calls of many threads: one loads, the others wait for it
-                if not self._tried:
-                    self.program_ = self.warm.program(args, kwargs)
-                    self._tried = True
-        program = self.program_
-        if program is not None:
-            reason = program.mismatch(args, kwargs)
-            if reason is None:
+        for program in self.programs:
+            if program.accepts(args, kwargs):
                 return program(args, kwargs)
-            counters.warm_start_fallbacks += 1
-            self.warm.say("mismatch", "a call the saved program was not traced for (%s) goes through "
-                          "torch.compile (said once)", reason)
+        program = self._find(args, kwargs)
+        if program is not None:
+            return program(args, kwargs)
+        counters.warm_start_fallbacks += 1
         return self.compiled(*args, **kwargs)
+
+    def _find(self, args, kwargs) -> Program | None:
+        with self._lock:  # calls of many threads: one loads or traces, the others wait for it
+            for program in self.programs:  # another thread may have found it meanwhile
+                if program.accepts(args, kwargs):
+                    return program
+            found, loaded = self.warm.find(args, kwargs, self.programs)
+            self.programs = tuple(reversed(loaded)) + self.programs
+            if found is None and self.programs:
+                self.warm.say("fallback", "a call no saved program accepts goes through torch.compile (said once)")
+            return found
+
+    def __reduce__(self):
+        return SavedStandIn, (self.warm.name,)
 
     def __getattr__(self, name: str) -> Any:  # reach the module's attributes, as OptimizedModule does
         if name == "model":
