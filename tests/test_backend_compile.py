@@ -205,7 +205,7 @@ def test_training_outputs_and_gradients_match_eager(nested):
 
 def test_backend_by_name_uses_the_default_config(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(torch_ext.backend, "_default_backend", None)
+    monkeypatch.setattr(torch_ext.backend, "_backends", {})
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
     compiled = torch.compile(model, backend="torch_ext")
     for i, n in enumerate([3, 5]):
@@ -215,6 +215,28 @@ def test_backend_by_name_uses_the_default_config(monkeypatch, tmp_path):
         torch.testing.assert_close(compiled(x), model(x), atol=ATOL, rtol=RTOL)
     assert (counters.pieces, counters.inductor_compiles, counters.cache_misses) == (1, 1, 1)
     assert glob.glob(str(tmp_path / "cache" / "*" / "artifacts" / "*.bin"))
+
+
+def test_backend_by_name_reads_torch_compile_mode_and_options(monkeypatch):
+    """transformers' generate compiles with mode="reduce-overhead" by default: a mode picks the nearest
+    CompileConfig, options name its fields; anything else is refused by name (not a TypeError in Dynamo)."""
+    from torch_ext.backend.config import from_torch_compile
+
+    monkeypatch.setattr(torch_ext.backend, "_backends", {})
+    assert from_torch_compile("reduce-overhead", None).cudagraph_mode == "full"
+    assert from_torch_compile("max-autotune-no-cudagraphs", None).inductor_options == {"max_autotune": True}
+    assert from_torch_compile(None, {"cache_dir": None, "cudagraph_mode": "none"}).cudagraph_mode == "none"
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    x = torch.randn(3, 8)
+    compiled = torch.compile(model, backend="torch_ext", options={"cache_dir": None, "splitting_ops": ["aten::gelu"]})
+    torch.testing.assert_close(compiled(x), model(x), atol=ATOL, rtol=RTOL)
+    assert counters.splitting_op_calls == 1  # the options' config compiled it
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="not a torch.compile mode"):
+        torch._dynamo.reset()
+        torch.compile(model, backend="torch_ext", mode="fastest")(x)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=r"\['cudagraphs'\] are not CompileConfig fields"):
+        torch._dynamo.reset()
+        torch.compile(model, backend="torch_ext", options={"cudagraphs": True})(x)
 
 
 def test_post_grad_passes_run_for_each_variant():

@@ -144,3 +144,31 @@ def test_compiling_a_model_with_generate_says_to_compile_its_forward(fx_pieces):
     finally:
         model.forward = original
     assert counters.graphs_seen >= 1 and torch.equal(generated, expected)
+
+
+@pytest.mark.parametrize("guard_free", [False, True])
+def test_generates_own_compile_stays_off_around_a_torch_ext_forward(fx_pieces, tmp_path, guard_free):
+    """generate compiles model.__call__ itself for a static cache on a GPU (forced here on the CPU with
+    the compile_config's `_compile_all_devices`): around a torch_ext forward it is turned off, and a
+    compile_config the user set is said to be unused; an outer torch.compile that still wraps the
+    forward calls it as is (no trace into torch_ext's wrapper) and gets eager's tokens."""
+    model = hf.build("llama").eval()
+    ids = hf.token_ids(2, PROMPT)
+    generate = lambda m: m.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0,  # noqa: E731
+                                    cache_implementation="static")
+    expected = generate(model)
+    compile_config = transformers.CompileConfig(fullgraph=False)
+    compile_config._compile_all_devices = True
+    model.generation_config.compile_config = compile_config
+    config = CompileConfig(cache_dir=str(tmp_path), splitting_ops=(SDPA,), guard_free_dispatch=guard_free,
+                           progress_bar=False)
+    with pytest.warns(UserWarning, match="compile_config is not used"):
+        model.forward = torch_ext.compile(model.forward, config)
+    assert model.generation_config.disable_compile
+    torch._dynamo.utils.counters.clear()
+    assert torch.equal(generate(model), expected)
+    assert not torch._dynamo.utils.counters["frames"].get("total")  # nothing compiled __call__
+
+    outer = torch.compile(model, backend="eager")  # a torch.compile around the module: calls the forward as is
+    with torch.no_grad():
+        torch.testing.assert_close(outer(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)

@@ -15,7 +15,7 @@ import sys
 from torch_ext.backend.backend import TorchExtBackend
 from torch_ext.backend.compile.cache import UnsafeCacheDirError
 from torch_ext.backend.compile.compiler import Variant, current_compile_variant
-from torch_ext.backend.config import CompileConfig, ConfigError
+from torch_ext.backend.config import CompileConfig, ConfigError, from_torch_compile
 from torch_ext.backend.counters import counters
 from torch_ext.backend.split.splitter import SplitError
 
@@ -38,15 +38,17 @@ def make_backend(config: CompileConfig | None = None) -> TorchExtBackend:
     return TorchExtBackend(config)
 
 
-_default_backend: TorchExtBackend | None = None
+_backends: dict[str, TorchExtBackend] = {}  # by torch.compile mode and options
 
 
-def torch_ext_backend(gm, example_inputs):
-    """`backend="torch_ext"`: the backend with the default CompileConfig, shared by all its uses."""
-    global _default_backend
-    if _default_backend is None:
-        _default_backend = TorchExtBackend()
-    return _default_backend(gm, example_inputs)
+def torch_ext_backend(gm, example_inputs, *, mode: str | None = None, options: dict | None = None):
+    """`backend="torch_ext"`: the backend with the default CompileConfig, shared by all its uses;
+    torch.compile's `mode` and `options` pick another (config.from_torch_compile)."""
+    key = repr((mode, sorted((options or {}).items())))
+    backend = _backends.get(key)
+    if backend is None:
+        backend = _backends.setdefault(key, TorchExtBackend(from_torch_compile(mode, options)))
+    return backend(gm, example_inputs)
 
 
 class _CallableModule(type(sys)):

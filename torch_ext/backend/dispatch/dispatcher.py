@@ -143,6 +143,7 @@ class GuardFreeDispatcher:
         state = f"{len(self._variants)} armed" if self._variants else "not compiled yet"
         return f"GuardFreeDispatcher({self.func.__qualname__}, {state})"
 
+    @torch.compiler.disable  # an outer torch.compile calls it as is, never traces into it
     def __call__(self, *args, **kwargs):
         stale = None  # the newest variant the call fits but the module's state does not (same mode first)
         for check, fast, state in self._variants:

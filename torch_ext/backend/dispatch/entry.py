@@ -1,6 +1,8 @@
 """`torch_ext.compile`: torch.compile with the torch_ext backend, guard-free dispatch and warm start."""
 from __future__ import annotations
 
+import inspect
+import logging
 import warnings
 
 import torch
@@ -8,6 +10,8 @@ import torch
 from torch_ext.backend.backend import TorchExtBackend
 from torch_ext.backend.dispatch.dispatcher import GuardFreeDispatcher, forward_of
 from torch_ext.backend.warm_start import program as warm_program
+
+log = logging.getLogger("torch_ext.backend")
 
 
 class GenerateCallsForwardWarning(UserWarning):
@@ -26,10 +30,31 @@ def compile(model, config=None, *, dynamic: bool | None = None):
         warm = warm_program.for_forward(model, func, self_arg, backend, dynamic) if func is not None else None
         if warm is not None:
             compiled = warm_program.WarmStartModule(model, compiled, warm)
+    owner = getattr(model, "__self__", None)
+    if inspect.ismethod(model) and isinstance(owner, torch.nn.Module) and callable(getattr(owner, "generate", None)):
+        _no_compile_around(owner)
     if isinstance(model, torch.nn.Module) and callable(getattr(type(model), "generate", None)):
         # Hugging Face's generate() calls self.forward, never this wrapper: say so where it is called.
         object.__setattr__(compiled, "generate", _generate_that_says(model))
     return compiled
+
+
+def _no_compile_around(model) -> None:
+    """Hugging Face's generate compiles `model.__call__` itself (torch.compile, reduce-overhead) for a
+    static cache on a GPU: around a forward torch_ext compiled, that is a second compile of every
+    step, with no warm start. Its switch `generation_config.disable_compile` is turned on, said once."""
+    config = getattr(model, "generation_config", None)
+    if config is None or not hasattr(config, "disable_compile") or config.disable_compile:
+        return
+    config.disable_compile = True
+    name = type(model).__name__
+    if getattr(config, "compile_config", None) is not None:
+        warnings.warn(f"torch_ext: {name}.generation_config.compile_config is not used: the forward is compiled by "
+                      "torch_ext, so generate's own compile is off (generation_config.disable_compile=True)",
+                      UserWarning, stacklevel=3)
+    else:
+        log.info("torch_ext: %s.generate calls the torch_ext-compiled forward; its own compile of __call__ is off "
+                 "(generation_config.disable_compile=True)", name)
 
 
 def _generate_that_says(model):

@@ -366,6 +366,7 @@ class WarmStartModule:
     def __repr__(self) -> str:
         return f"WarmStartModule({self.warm.name}, {len(self.programs)} programs)"
 
+    @torch.compiler.disable  # an outer torch.compile (transformers' generate compiles __call__) calls it as is
     def __call__(self, *args, **kwargs):
         for program in self.programs:
             if program.accepts(args, kwargs):
