@@ -5,7 +5,7 @@ eager generate's tokens, the counters, Dynamo's frame count and the seconds from
 the end of generate.
 
     python tests/hf_generate_worker.py CACHE_DIR [--arch llama] [--dtype float32] [--layers 2]
-                                       [--rope-theta T] [--plain] [--fx-pieces]
+                                       [--rope-theta T] [--plain] [--fx-pieces] [--guard-free] [--generates N]
                                        [--batch 2] [--prompt 6] [--steps 6]
 
 --plain: torch.compile(model.forward) instead (Inductor's caches under CACHE_DIR/inductor).
@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--rope-theta", type=float, default=None)
     parser.add_argument("--plain", action="store_true")
     parser.add_argument("--fx-pieces", action="store_true")
+    parser.add_argument("--guard-free", action="store_true", help="CompileConfig.guard_free_dispatch")
+    parser.add_argument("--generates", type=int, default=1, help="calls of generate (each makes a new cache)")
     args = parser.parse_args()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(args.cache_dir, "inductor")
     if args.fx_pieces:
@@ -82,10 +84,12 @@ def main() -> None:
         model.forward = torch.compile(model.forward)
     else:
         config = CompileConfig(cache_dir=args.cache_dir, splitting_ops=["aten::scaled_dot_product_attention"],
-                               progress_bar=False)
+                               progress_bar=False, guard_free_dispatch=args.guard_free)
         model.forward = torch_ext.compile(model.forward, config)
     tokens = generate(model, ids, args.steps)
     seconds = time.perf_counter() - start
+    for _ in range(args.generates - 1):
+        assert torch.equal(generate(model, ids, args.steps), tokens)
     frames = dict(torch._dynamo.utils.counters["frames"])
     print(json.dumps({"tokens": tokens.tolist(), "expected": expected.tolist(), "seconds": seconds,
                       "dynamo_frames": frames,

@@ -317,3 +317,27 @@ def test_sizes_numbers_and_other_objects():
     assert "argument settings is a Settings; the code was compiled for another Settings object" in said[3]
     assert "Pass a dataclass" in said[3]
     assert compiled.calls == 5
+
+
+def test_an_object_argument_is_checked_by_identity_without_being_kept_alive():
+    import gc
+    import weakref
+
+    class Box:
+        def __init__(self, scale):
+            self.scale = scale
+
+    def f(x, box):
+        return x * box.scale
+
+    compiled = torch_ext.compile(f, CompileConfig(cache_dir=None, guard_free_dispatch=True))
+    x, box = torch.randn(3), Box(2.0)
+    torch.testing.assert_close(compiled(x, box), x * 2.0)
+    torch.testing.assert_close(compiled(x, box), x * 2.0)
+    assert compiled.calls == 1  # the armed variant took the second call
+    gone = weakref.ref(box)
+    del box
+    gc.collect()
+    assert gone() is None  # the variant's identity check held it weakly
+    with pytest.warns(GuardFreeDispatchWarning, match=r"another \S*Box object"):
+        torch.testing.assert_close(compiled(x, Box(3.0)), x * 3.0)

@@ -62,3 +62,12 @@ def test_another_prompt_length_gets_the_dynamic_prefill_saved_for_the_next_proce
     third = run_worker(tmp_path, "--fx-pieces", "--prompt", "11")
     assert warm(third["counters"]) == (4, 0, 0) and third["dynamo_frames"].get("total", 0) == 0
     assert third["tokens"] == third["expected"]
+
+
+def test_guard_free_dispatch_serves_many_generates_from_the_loaded_programs(tmp_path):
+    """Each generate passes a new cache object, which guard-free dispatch checks by identity: the saved
+    guards take the call and its variant replaces the oldest, never a trace (nor a torch.compile)."""
+    run_worker(tmp_path, "--fx-pieces", "--guard-free")
+    served = run_worker(tmp_path, "--fx-pieces", "--guard-free", "--generates", "6")
+    assert warm(served["counters"]) == (2, 0, 0) and served["dynamo_frames"].get("total", 0) == 0
+    assert served["tokens"] == served["expected"]

@@ -133,7 +133,7 @@ class GuardFreeDispatcher:
         self.calls = 0  # calls that went through Dynamo (1 while every call matches the first)
         # Warm start (warm_start/program.py): a call no armed variant takes runs, and arms, a saved program.
         self.warm = warm_program.for_forward(model, func, self_arg, backend, dynamic) if warm_start else None
-        self._warm_programs: tuple = ()  # loaded for an earlier call, not armed (that call did not fit them)
+        self._warm_programs: tuple = ()  # loaded or traced by warm start, newest first
         _ensure_hook()
 
     def __reduce__(self):  # pickled with a module whose forward it replaced (see SavedStandIn)
@@ -176,10 +176,12 @@ class GuardFreeDispatcher:
 
     def _guarded_call_locked(self, args, kwargs, stale: ModuleState | None):
         if self.warm is not None:  # a program saved by an earlier process (or traced now and saved) for this call
+            # The saved guards first: a program armed for other calls may take this one too (an argument
+            # object the signature checks by identity, generate's new cache; a value it checks exactly).
             program = next((p for p in self._warm_programs if p.accepts(args, kwargs)), None)
             if program is None:
                 program, loaded = self.warm.find(args, kwargs, self._warm_programs)
-                self._warm_programs = tuple(p for p in loaded if p is not program) + self._warm_programs
+                self._warm_programs = tuple(loaded) + self._warm_programs
             if program is not None:
                 out = program(args, kwargs)
                 fast = functools.partial(program.function, self.self_arg) if self.self_arg is not None \
@@ -259,6 +261,12 @@ class GuardFreeDispatcher:
             self._note(("freevars",), "torch_ext: guard-free dispatch could not use the code Dynamo generated "
                        "for %s; calls go through torch.compile (with guards)", self.func.__qualname__, warn=True)
             return
+        if len(self._variants) >= MAX_VARIANTS and ready is not None:
+            # A saved program's guards took the call (generate passes a new cache object per call of
+            # generate, checked by identity here): the oldest variant makes room.
+            self._note(("replace",), "torch_ext: guard-free dispatch of %s has armed %d variants; the oldest is "
+                       "replaced by each new one a saved program's guards accept", self.func.__qualname__, MAX_VARIANTS)
+            self._variants, self.signatures = self._variants[:-1], self.signatures[:-1]
         if len(self._variants) >= MAX_VARIANTS:
             self._note(("limit",), "torch_ext: guard-free dispatch of %s has armed %d variants; calls matching none "
                        "go through torch.compile (with guards)", self.func.__qualname__, MAX_VARIANTS, warn=True)

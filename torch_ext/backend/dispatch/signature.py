@@ -32,6 +32,7 @@ import enum
 import inspect
 import numbers
 import re
+import weakref
 from typing import Any, Callable
 
 import sympy
@@ -142,7 +143,11 @@ class CallSignature:
             self._conditions.append(_Condition(f"__te_type({path}) is {self._const(typ)} and {path} == "
                                                f"{self._const(value)}", path, f"{value!r}", "value"))
         else:  # Dynamo may have specialized on anything it read from it
-            self._conditions.append(_Condition(f"{path} is {self._const(value)}", path,
+            try:  # held weakly: a variant must not keep the object alive (a KV cache on the GPU)
+                check = f"{self._const(weakref.ref(value))}() is {path} is not None"
+            except TypeError:  # cannot be weakly referenced
+                check = f"{path} is {self._const(value)}"
+            self._conditions.append(_Condition(check, path,
                                                f"another {typ.__qualname__} object (objects other than dataclasses "
                                                "are checked by identity)", "object"))
 
