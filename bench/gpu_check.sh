@@ -8,6 +8,7 @@
 #   bash bench/gpu_check.sh gpu     the GPU tests only
 #   bash bench/gpu_check.sh tp      python bench/tp_decode.py (2 GPUs; extra args go to it)
 #   bash bench/gpu_check.sh hf      python bench/hf_decode.py (extra args go to it)
+#   bash bench/gpu_check.sh hfgen   python bench/hf_generate.py (cold/warm process ready time; extra args go to it)
 #   bash bench/gpu_check.sh hfprofile  python bench/hf_decode_profile.py (extra args go to it)
 #   bash bench/gpu_check.sh train   python bench/checkpoint_training.py --device cuda (extra args go to it)
 # Logs go to $OUT (or /tmp/torch_ext_gpu).
@@ -37,6 +38,7 @@ case "$what" in
   tp) timeout "${TP_TIMEOUT:-420}" python3 bench/tp_decode.py "$@" 2>&1 | tee "$OUT/tp_decode.log" ;;
   hf) timeout "${HF_TIMEOUT:-420}" python3 bench/hf_decode.py "$@" 2>&1 | tee "$OUT/hf_decode.log" ;;
   train) timeout "${TRAIN_TIMEOUT:-560}" python3 bench/checkpoint_training.py --device cuda "$@" 2>&1 | tee "$OUT/checkpoint_training.log" ;;
+  hfgen) timeout "${HF_TIMEOUT:-540}" python3 bench/hf_generate.py "$@" 2>&1 | tee "$OUT/hf_generate.log" ;;
   hfprofile) timeout "${HF_TIMEOUT:-420}" python3 bench/hf_decode_profile.py "$@" 2>&1 | tee "$OUT/hf_profile.log" ;;
   profile) timeout 250 python3 bench/decode_profile.py 2>&1 | tee "$OUT/profile.log"
            timeout 300 python3 bench/decode.py "$@" 2>&1 | tee "$OUT/decode.log" ;;
