@@ -2,7 +2,7 @@
 # versions at a time (TEST_JOBS; the output of each comes whole). The newest tested torch is the
 # default venv (demo, bench).
 PY ?= python3
-VERSIONS := 2.15.0 2.14.1 2.13.0 2.9.1
+VERSIONS := 2.15.0 2.14.1 2.13.0 2.11.0 2.9.1
 NEWEST := 2.15.0
 TEST_JOBS ?= 2
 PYTEST_ARGS ?=

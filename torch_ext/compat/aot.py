@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-# torch 2.13.0 and 2.14.1 (identical code) have Dynamo's AOT compile: `torch._dynamo.aot_compile`
+# torch 2.11.0 .. 2.15.0 have Dynamo's AOT compile (2.11 lacks two pieces torch_ext adds: _with_builtins, graph_pickler_maps_slices): `torch._dynamo.aot_compile`
 # (AOTCompiledFunction: the transformed bytecode with its runtime globals, the guards serialized,
 # a SystemInfo check, and a backend artifact implementing `aot_compile_types.SerializableCallable`).
 # torch 2.9.1 has a first draft of the same module (no runtime globals or system check, guards
@@ -84,7 +84,7 @@ def aot_compile(fn, self_arg, args: tuple, kwargs: dict, backend, *, dynamic: bo
         source_info = SourceInfo(inlined_sources=set())
         for code in graph_capture.traced_code:
             source_info.add_code(code)
-        runtime_env = graph_capture.get_runtime_env()
+        runtime_env = _with_builtins(graph_capture.get_runtime_env(), graph_capture.f_globals)
         artifacts = aot.CompileArtifacts(
             signature=convert_frame._get_signature(fn), guard_manager=check_fn.guard_manager,
             guards_state=check_fn.guards_state, backend_id=backend_input.backend_id, compiled_fn=compiled_fn,
@@ -92,6 +92,33 @@ def aot_compile(fn, self_arg, args: tuple, kwargs: dict, backend, *, dynamic: bo
             device_type=_graph_device_type(gm.graph), backend_name="torch_ext")
         return aot.AOTCompiledFunction(_artifacts=artifacts, _extra_globals=fn.__globals__), \
             list(graph_capture.traced_code)
+
+
+def _with_builtins(runtime_env, f_globals: dict):
+    """The runtime env with the builtins its bytecode loads (`type`, `__builtins_dict___0`) among its
+    globals. 2.13+ put them there; 2.11 does not, and AOTCompiledFunction refuses the env ("Missing
+    required external references: ['type']": the forward's module globals hold no builtins)."""
+    import builtins
+
+    used = dict(runtime_env.used_globals)
+    for ref in runtime_env.external_refs - used.keys():
+        if ref.startswith("__builtins_dict__") and ref in f_globals:
+            used[ref] = {k: v for k, v in f_globals[ref].items() if _picklable(v)}
+        elif hasattr(builtins, ref):
+            used[ref] = getattr(builtins, ref)
+    if len(used) == len(runtime_env.used_globals):
+        return runtime_env
+    return dataclasses.replace(runtime_env, used_globals=used)
+
+
+def _picklable(value) -> bool:
+    import pickle
+
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
 
 
 def _graph_device_type(graph) -> str:
@@ -103,6 +130,26 @@ def _graph_device_type(graph) -> str:
         return graph_utils._graph_device_type(graph)
     from torch._dynamo.package import _collapse_device_types
     return _collapse_device_types(graph_utils._graph_device_types(graph))
+
+
+@contextlib.contextmanager
+def graph_pickler_maps_slices():
+    """Around GraphPickler.dumps/loads: a node argument `slice(None, <Node>)` (`cache[: x.shape[0]]`
+    under dynamic shapes) has its Node mapped. GraphPickler maps args with pytree, to which a slice
+    is a leaf unless registered: 2.13+ register it around dumps and loads themselves; 2.11 does not
+    ("Unexpected raw Node during pickling"). Registered here the same way where torch does not."""
+    from torch.fx import _graph_pickler as gp
+    from torch.utils import _pytree as pytree
+
+    if hasattr(gp, "patch_pytree_map_over_slice") or slice in pytree.SUPPORTED_NODES:
+        yield
+        return
+    pytree._private_register_pytree_node(slice, lambda s: ([s.start, s.stop, s.step], None),
+                                         lambda values, _: slice(*values))
+    try:
+        yield
+    finally:
+        pytree._deregister_pytree_node(slice)
 
 
 def aot_serialize(compiled, external: dict[str, Any]) -> bytes:

@@ -14,7 +14,7 @@ def _release(version: str) -> tuple[int, ...]:
 
 # The torch releases CI runs the whole suite on (the Makefile's VERSIONS; the GPU machine adds 2.11);
 # `python -m torch_ext doctor` says whether the installed one is among them.
-TESTED_TORCH_VERSIONS = ("2.9.1", "2.13.0", "2.14.1", "2.15.0")
+TESTED_TORCH_VERSIONS = ("2.9.1", "2.11.0", "2.13.0", "2.14.1", "2.15.0")
 OLDEST_SUPPORTED_TORCH = _release(TESTED_TORCH_VERSIONS[0])
 NEWEST_TESTED_TORCH = _release(TESTED_TORCH_VERSIONS[-1])
 TORCH_RELEASE = _release(torch.__version__)
@@ -70,13 +70,13 @@ BACKWARD_CACHE_IGNORES_TANGENT_ALIASING = TORCH_VERSION < (2, 10)
 EAGER_REGION_BACKWARD_NEEDS_FAKE_MODE = TORCH_VERSION < (2, 14)
 # A region bound per instance (`layer.forward = MethodType(nested_compile_region(cls.forward), layer)`)
 # and called for two instances: torch's subgraph reuse (keyed on the code) passes the first instance's
-# parameters to every later call: wrong outputs (2.12.1 .. 2.15.0; 2.9.1 is right; 2.10, 2.11 untested).
+# parameters to every later call: wrong outputs (2.12.1 .. 2.15.0; 2.9.1 and 2.11 are right; 2.10 untested).
 # torch_ext's region tracing lifts each call's own parameters.
 REGION_REUSE_BINDS_FIRST_INSTANCE = TORCH_VERSION >= (2, 12)
 
 # An activation checkpoint run outside of tracing (backend="eager") recomputes its body without the
 # forward's RNG state: dropout draws a new mask in backward, wrong gradients. Plain checkpoints: 2.12.1
-# .. 2.15.0 (they take the selective-checkpoint path; 2.9.1 does not recompute them; 2.10, 2.11 untested);
+# .. 2.15.0 (they take the selective-checkpoint path; 2.9.1 and 2.11 do not recompute them; 2.10 untested);
 # with a context_fn (selective checkpointing): every version. torch_ext checkpoints such calls as eager does.
 EAGER_CHECKPOINT_LOSES_RNG_STATE = TORCH_VERSION >= (2, 12)
 # A nested_compile_region called inside another HOP body (a region, a checkpoint) fails AOTAutograd's
@@ -86,7 +86,7 @@ EAGER_CHECKPOINT_LOSES_RNG_STATE = TORCH_VERSION >= (2, 12)
 NESTED_REGION_FAILS_AOT = TORCH_VERSION < (2, 11)
 # Inductor compiling an activation checkpoint whose body draws random numbers (dropout), with dynamic
 # shapes, in training: AOTAutograd's min-cut partitioner fails ("Node mm was invalid, but is output"),
-# vanilla too (2.9.1, 2.12.1; 2.13+ compile it; 2.10, 2.11 untested). Eager's RNG ops
+# vanilla too (2.9.1, 2.11, 2.12.1; 2.13+ compile it; 2.10 untested). Eager's RNG ops
 # (fallback_random) avoid it. torch_ext compiles such graphs with fallback_random=True.
 PARTITIONER_FAILS_ON_DYNAMIC_CHECKPOINTED_RNG = TORCH_VERSION < (2, 13)
 # A piece compiled with gradients saves to the disk cache (its artifact holds the AOTAutograd entry):

@@ -60,7 +60,7 @@ def availability(config) -> str | None:
     if not config.cache_dir:
         return "no cache_dir"
     if not compat.HAS_AOT_COMPILE:
-        return f"torch {torch.__version__} has no AOT compile of Dynamo programs (torch 2.13+ does)"
+        return f"torch {torch.__version__} has no AOT compile of Dynamo programs (torch 2.11+ does)"
     return None
 
 

@@ -104,7 +104,8 @@ def dump_graph(gm: fx.GraphModule, is_splitting: Callable[[fx.Node], bool]) -> b
                     kept.append((node, dropped))
                     if node in inside_pieces:
                         node.meta[VALUE_DROPPED] = True  # what restore_example_values restores (split keeps meta)
-        return pickler.dumps(gm, gp.Options(ops_filter=None))
+        with compat.graph_pickler_maps_slices():  # cache[: x.shape[0]] under dynamic shapes (2.11)
+            return pickler.dumps(gm, gp.Options(ops_filter=None))
     finally:
         for node, dropped in kept:
             node.meta.pop(VALUE_DROPPED, None)
@@ -116,7 +117,8 @@ def load_graph(data: bytes) -> fx.GraphModule:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     _, gp = _graph_pickler()
-    gm = gp.GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+    with compat.graph_pickler_maps_slices():
+        gm = gp.GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
     if not isinstance(gm, fx.GraphModule):
         raise SavedGraphError(f"the saved graph is a {type(gm).__name__}, not a GraphModule")
     gm.recompile()

@@ -124,7 +124,7 @@ class CudaGraphRunner:
                 reused[3] = a
         for i, ptr in plan.pinned:
             if args[i].data_ptr() != ptr:
-                raise self._moved_error(plan.entry, i, args[i], ptr)
+                return self._moved(plan.entry, i, args, ptr)
         if plan.checked:
             self._check(plan, args)
         for i, dst in plan.copies:
@@ -300,6 +300,22 @@ class CudaGraphRunner:
         self.group.captured(entry.size)
         # Owned outputs for this call: the memory stays taken until the forward is done with it.
         return self._result(outs, n)
+
+    def _moved(self, entry: _Entry, i: int, args, ptr: int):
+        """A tensor the graph writes in place is at another address than at capture (generate makes a
+        new cache per call). A graph captured alone (full mode) is captured again there, after its
+        warm-up, as CUDA graph trees re-record; in a group the graphs before it captured with the old
+        address in their memory plan: a clear error."""
+        if sum(r.capturable for r in self.group.runners) > 1:
+            raise self._moved_error(entry, i, args[i], ptr)
+        self.manager.note_once(("recapture", self.name), "torch_ext: %s: input %d '%s', written in place, moved "
+                               "since the capture (a new cache?): its graph is captured again for the new address "
+                               "(a warm-up call, then a capture, at each move)", self.name, i, self.inputs[i].name)
+        del self._entries[entry.size]
+        self._plans = {k: p for k, p in self._plans.items() if p.entry is not entry}
+        self.group.steps[entry.size] = 0
+        cudagraph_stats.recaptures += 1
+        return self._slow(args, None)
 
     # -- errors -----------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import dataclasses
 class CudaGraphStats:
     captures: int = 0  # graphs captured
     replays: int = 0
+    recaptures: int = 0  # graphs dropped to be captured again (an in-place input moved)
     uncaptured_runs: int = 0  # calls that ran without a graph (warm-up, too large, not capturable)
     capture_seconds: float = 0.0  # wall time inside capture (warm-up runs not included)
     capture_bytes: int = 0  # growth of reserved device memory during captures: the pools
