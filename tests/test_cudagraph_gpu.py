@@ -165,3 +165,20 @@ def test_pool_is_shared_and_only_escaping_outputs_stay_allocated():
           f"(static inputs {static / 2**10:.1f} KiB, final outputs {kept / 2**10:.1f} KiB)")
     assert cudagraph_stats.captures == 5 * (len(CAPTURE) - 1)  # 5 pieces around 4 attentions
     assert held <= static + kept + 16 * 1024
+
+
+def test_full_graph_is_captured_again_for_new_caches_written_in_place():
+    """generate makes a new cache per call: the full graph (dynamic=False: caches read in place) is
+    captured again at the new addresses, into the same pool, with outputs and caches equal to the
+    uncaptured runs'; the first caches' graph is gone once the new one is captured."""
+    model = cm.TinyDecoder(layers=3).cuda()
+    graphs = torch.compile(model, backend=make_backend(config("full")), dynamic=False)
+    plain = torch.compile(model, backend=make_backend(config("none")), dynamic=False)
+    n = cm.MAX_BATCH
+    for round_ in range(3):  # three caches, one after the other
+        gk, gv = model.caches("cuda")
+        pk, pv = [t.clone() for t in gk], [t.clone() for t in gv]
+        for i in range(4):
+            x = torch.randn(n, cm.D_MODEL, device="cuda")
+            assert_step_matches(graphs, plain, x, (gk, gv), (pk, pv), f"cache {round_}, call {i}")
+    assert cudagraph_stats.recaptures == 2 and cudagraph_stats.captures == 3, cudagraph_stats

@@ -83,6 +83,7 @@ class CudaGraphRunner:
         self._plans: dict[Any, _Plan] = {}
         self._entries: dict[Any, _Entry] = {}
         self._device: torch.device | None = None
+        self._retired: _Entry | None = None  # the entry replaced by a re-capture (_moved), until it is done
         self._may_need_grad = any(s.kind == TENSOR for s in inputs)
         self.is_leader = False
         self.made_by_splitting_op: dict[int, str] = {}  # input position -> the splitting op that returned it
@@ -290,6 +291,7 @@ class CudaGraphRunner:
             return self.fallback(*args)
         outs = self._outputs(out)
         entry.graph, entry.captured_at = graph, n
+        self._retired = None  # the new graph holds the pool now
         self.manager.note_outputs(outs, entry.size)
         entry.outputs = [o if k in self.keep or not isinstance(o, torch.Tensor) else non_owning(o)
                          for k, o in enumerate(outs)]
@@ -311,7 +313,9 @@ class CudaGraphRunner:
         self.manager.note_once(("recapture", self.name), "torch_ext: %s: input %d '%s', written in place, moved "
                                "since the capture (a new cache?): its graph is captured again for the new address "
                                "(a warm-up call, then a capture, at each move)", self.name, i, self.inputs[i].name)
-        del self._entries[entry.size]
+        # Kept until the new graph is captured: the last graph of a private pool keeps the pool alive
+        # (capturing into a pool whose graphs are all gone fails an allocator assert).
+        self._retired = self._entries.pop(entry.size)
         self._plans = {k: p for k, p in self._plans.items() if p.entry is not entry}
         self.group.steps[entry.size] = 0
         cudagraph_stats.recaptures += 1
