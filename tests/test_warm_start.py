@@ -422,3 +422,20 @@ def test_a_forward_whose_floats_dynamo_specializes_on_a_restart_warm_starts(tmp_
     assert warm["max_error"] < 1e-5
     assert warm["counters"]["warm_start_loads"] == 1 and warm["counters"]["warm_start_fallbacks"] == 0
     assert warm["outputs"] == cold["outputs"]
+
+
+@aot_only
+def test_a_ranged_dynamic_dim_loads_the_saved_program(tmp_path, fx_pieces):
+    """mark_dynamic(x, 0, min=, max=): torch 2.15 keeps the range on the tensor and guards it by value;
+    the saved program's guards get the range back (compat.DIM_MARKING_ATTRS), so it takes the call."""
+    model = bm.Decoder(layers=2)
+    cfg = config(tmp_path)
+    for process in range(2):
+        compiled = new_process(model, cfg)
+        for n in (4, 6):
+            x = bm.batch(n, seed=n)
+            torch._dynamo.mark_dynamic(x, 0, min=2, max=64)
+            with torch.no_grad():
+                torch.testing.assert_close(compiled(x, model.caches()), model(x, model.caches()))
+    assert counters.warm_start_saves == 1 and counters.warm_start_loads == 1
+    assert counters.warm_start_fallbacks == 0

@@ -34,7 +34,8 @@ else:
 # Tensor attributes that mark dims dynamic/static (mark_dynamic & co.); Dynamo guards on them.
 DIM_MARKING_ATTRS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices",
                      "_dynamo_strict_unbacked_indices", "_dynamo_static_indices", "_dynamo_shape_ids",
-                     "_dynamo_unbacked_bounds", "_dynamo_hint_overrides", "_has_dynamo_dim_marking")
+                     "_dynamo_unbacked_bounds", "_dynamo_hint_overrides", "_has_dynamo_dim_marking",
+                     "_dynamo_dynamic_range")  # 2.15: mark_dynamic(min=, max=), guarded by value
 
 
 def aot_compile(fn, self_arg, args: tuple, kwargs: dict, backend, *, dynamic: bool | None, guard_filter):
