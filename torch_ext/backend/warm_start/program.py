@@ -134,7 +134,7 @@ class WarmStart:
             self.say("mismatch", "a call the saved program was not traced for (%s); looking for one traced for it",
                      at_hand[0].mismatch(args, kwargs))
         found, loaded = None, []
-        if self._refused:
+        if self._refused or len(self._tried) >= MAX_PROGRAMS:  # (each look costs a key: the model's digest)
             return found, loaded
         for dynamic in (self.dynamic, True) if self.dynamic is None else (self.dynamic,):
             try:
@@ -151,7 +151,7 @@ class WarmStart:
                 break
             self._tried.add(name)
             program = self.program(args, kwargs, name, factors, dynamic)
-            if program is None:
+            if program is None:  # refused (a graph break, most often forward-wide) or unusable cache dir
                 self._refused = True
                 break
             loaded.append(program)
