@@ -118,7 +118,7 @@ def test_doctor_reports_versions_and_a_missing_cache_dir_without_creating_it(mon
     out = capsys.readouterr().out
     release = torch.__version__.split("+")[0]
     tested = "tested" if release in compat.TESTED_TORCH_VERSIONS else "NOT a tested version"
-    assert f"torch           {torch.__version__} ({tested}; CI runs 2.9.1, 2.13.0, 2.14.1, 2.15.0)" in out
+    assert f"torch           {torch.__version__} ({tested}; CI runs 2.9.1, 2.11.0, 2.13.0, 2.14.1, 2.15.0)" in out
     assert f"cache dir       {cache}  (from $TORCH_EXT_CACHE_DIR" in out
     assert "does not exist yet; the first compile can create it" in out
     assert "install()       not active in this process" in out

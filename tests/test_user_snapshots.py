@@ -122,7 +122,7 @@ def test_a_chosen_primary_alone_writes_the_shared_file(clean_env, tmp_path, grap
 
 
 def test_normalized_graph_reads_the_same_on_every_tested_torch():
-    """The text pinned here is what torch 2.9.1, 2.13.0, 2.14.1 and 2.15.0 all print (no source
+    """The text pinned here is what torch 2.9.1, 2.11.0, 2.13.0, 2.14.1 and 2.15.0 all print (no source
     comments, blank lines or trailing spaces)."""
     def f(x, y):
         return torch.sin(x) * y + x.cos().sum(-1, keepdim=True)

@@ -158,7 +158,7 @@ def test_uninstall_restores_what_install_patched():
 
 
 def test_older_torch_is_refused_with_the_versions_named():
-    with pytest.raises(ImportError, match=r"needs torch >= 2\.9\.1 \(tested: 2\.9\.1, 2\.13\.0, 2\.14\.1, 2\.15\.0\); "
+    with pytest.raises(ImportError, match=r"needs torch >= 2\.9\.1 \(tested: 2\.9\.1, 2\.11\.0, 2\.13\.0, 2\.14\.1, 2\.15\.0\); "
                                           r"this is torch 2\.8\.0"):
         compat.check_torch_version((2, 8, 0))
     compat.check_torch_version((2, 9, 1))
@@ -170,7 +170,7 @@ def test_newer_torch_warns_once_on_install(monkeypatch):
     install_module = importlib.import_module("torch_ext.install")  # torch_ext.install is the function
     install_module._warn_once_if_untested.cache_clear()
     try:
-        with pytest.warns(UserWarning, match=r"tested with torch 2\.9\.1, 2\.13\.0, 2\.14\.1, 2\.15\.0; this is torch \S+, newer"):
+        with pytest.warns(UserWarning, match=r"tested with torch 2\.9\.1, 2\.11\.0, 2\.13\.0, 2\.14\.1, 2\.15\.0; this is torch \S+, newer"):
             torch_ext.install()
         torch_ext.uninstall()
         with warnings.catch_warnings():
