@@ -268,6 +268,11 @@ def _fake_modes_without_stacks():
         fake_tensor.traceback = real
 
 
+def aot_guard_accepts(compiled, args: tuple, kwargs: dict) -> bool:
+    """Whether the saved guards accept this call (the check alone: no verbose pass on a refusal)."""
+    return bool(compiled._artifacts.guard_manager.check(compiled.prepare_f_locals(*args, **kwargs)))
+
+
 def aot_guard_reason(compiled, args: tuple, kwargs: dict) -> str | None:
     """Why the saved guards refuse this call ("L['x'] ... size mismatch ..."), or None if they accept it."""
     f_locals = compiled.prepare_f_locals(*args, **kwargs)

@@ -87,7 +87,10 @@ class Program:
         self.graph_inputs = compat.aot_backend_result(aot).graph_inputs
 
     def accepts(self, args: tuple, kwargs: dict) -> bool:
-        return self.mismatch(args, kwargs) is None
+        """The per-call check (mismatch() builds the reason too: only where it is said)."""
+        if self.self_arg is not None:
+            args = (self.self_arg,) + args
+        return compat.aot_guard_accepts(self.aot, args, kwargs)
 
     def mismatch(self, args: tuple, kwargs: dict) -> str | None:
         """Why the saved guards refuse this call, or None."""
@@ -130,7 +133,7 @@ class WarmStart:
         traced with every dim dynamic, as Dynamo's automatic dynamic would after a recompile (unless
         `dynamic=False`). At most MAX_PROGRAMS entries per forward and process. `at_hand`: the
         programs the caller holds (none accepts this call)."""
-        if at_hand:
+        if at_hand and "mismatch" not in self._said:  # the reason costs a verbose guard pass: build it once
             self.say("mismatch", "a call the saved program was not traced for (%s); looking for one traced for it",
                      at_hand[0].mismatch(args, kwargs))
         found, loaded = None, []
