@@ -114,7 +114,36 @@ class AssignsBuffer(TinyDecoder):
         return out
 
 
-SPLITTING_OPS = ("torch_ext_cg::decode_attention", "torch_ext_cg::decode_attention_into",
+@splitting_op("torch_ext_cg::cache_attention", fake=lambda q, k_cache, v_cache, pos: torch.empty_like(q))
+def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int) -> torch.Tensor:
+    """Attention of q (n, heads, head_dim) over positions 0..pos of caches (n, max_pos, heads, head_dim)."""
+    keys, values = k_cache[:, : pos + 1], v_cache[:, : pos + 1]
+    scores = torch.einsum("nhd,nthd->nht", q, keys) / math.sqrt(q.shape[-1])
+    return torch.einsum("nht,nthd->nhd", scores.softmax(-1), values)
+
+
+class BatchCacheDecoder(TinyDecoder):
+    """A KV cache per batch size, as HF's StaticCache: (batch, max_pos, heads, head_dim), written in
+    place by the compiled code (the graph before attention) and read by the splitting op."""
+
+    def forward(self, x, k_caches, v_caches, pos: int):
+        h = self.embed(x)
+        for layer, kc, vc in zip(self.layers, k_caches, v_caches):
+            q, k, v = layer.qkv(layer.norm1(h)).view(h.shape[0], 3, HEADS, HEAD_DIM).unbind(1)
+            kc[:, pos] = k
+            vc[:, pos] = v
+            a = torch.ops.torch_ext_cg.cache_attention(q, kc, vc, pos)
+            h = h + layer.o(a.reshape(h.shape[0], -1))
+            h = h + layer.down(torch.nn.functional.gelu(layer.up(layer.norm2(h))))
+        return self.head(h)
+
+    def caches_for(self, n: int, device="cpu", dtype=torch.float32):
+        shape = (n, MAX_POS, HEADS, HEAD_DIM)
+        make = lambda: [torch.randn(shape, device=device, dtype=dtype) for _ in self.layers]  # noqa: E731
+        return make(), make()
+
+
+SPLITTING_OPS = ("torch_ext_cg::cache_attention", "torch_ext_cg::decode_attention", "torch_ext_cg::decode_attention_into",
                  "torch_ext_cg::decode_attention_into_inference", "torch_ext_cg::decode_attention_checked")
 
 

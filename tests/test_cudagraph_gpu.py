@@ -182,3 +182,31 @@ def test_full_graph_is_captured_again_for_new_caches_written_in_place():
             x = torch.randn(n, cm.D_MODEL, device="cuda")
             assert_step_matches(graphs, plain, x, (gk, gv), (pk, pv), f"cache {round_}, call {i}")
     assert cudagraph_stats.recaptures == 2 and cudagraph_stats.captures == 3, cudagraph_stats
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_caches_with_the_batch_dim_are_read_in_place_and_recaptured_when_new(mode):
+    """One cache per batch size (HF StaticCache): calls at capture sizes read it where it is (static
+    input bytes stay near zero across sizes), padded calls copy it, a new cache captures again;
+    outputs and caches equal the uncaptured runs' throughout."""
+    model = cm.BatchCacheDecoder(layers=3).cuda()
+    graphs = torch.compile(model, backend=make_backend(config(mode)))
+    plain = torch.compile(model, backend=make_backend(config("none")))
+    cache_bytes = 0
+    for round_ in range(2):  # a second round: new caches for every size
+        for n in (8, 4, 2, 1, 3):
+            gk, gv = model.caches_for(n, "cuda")
+            cache_bytes += sum(t.untyped_storage().nbytes() for t in gk + gv)
+            pk, pv = [t.clone() for t in gk], [t.clone() for t in gv]
+            for i in range(4):
+                x = torch.randn(n, cm.D_MODEL, device="cuda")
+                if round_ == 0 and n == 8 and i == 0:
+                    for t in [x, *gk, *gv, *pk, *pv]:
+                        torch._dynamo.mark_dynamic(t, 0)
+                assert_step_matches(graphs, plain, x, (gk, gv), (pk, pv), f"{mode}: round {round_}, batch {n}, call {i}")
+    static = cudagraph_stats.static_input_bytes
+    print(f"\n{mode}: static input buffers {static / 2**10:.1f} KiB for caches of {cache_bytes / 2**10:.1f} KiB "
+          f"({cudagraph_stats.captures} captures, {cudagraph_stats.recaptures} re-captures)")
+    padded_copies = sum(t.untyped_storage().nbytes() for t in model.caches_for(4, "cuda")[0]) * 2
+    assert static <= padded_copies * 2 + 64 * 1024  # batch 3's padded graphs (two rounds); no other cache copy
+    assert cudagraph_stats.recaptures >= 4 and cudagraph_stats.replays > 0

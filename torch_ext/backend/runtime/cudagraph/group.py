@@ -46,6 +46,7 @@ class RunnerGroup:
         self.steps: dict[Any, int] = {}  # capture size -> calls at it that reached the leader's slow path
         self.capture_call: dict[Any, int] = {}  # capture size -> the call that captures it
         self._bars: dict[Any, Any] = {}
+        self._pins_rows: bool | None = None  # decided at the first call, once every runner is in
 
     def add(self, runner) -> None:
         self.runners.append(runner)
@@ -55,6 +56,20 @@ class RunnerGroup:
                 self.leader.is_leader = False
             self.leader = runner
             runner.is_leader = True
+
+    def key(self, size, n):
+        """What the graphs of a call at batch n are kept under: its capture size, or (size, exact)
+        where a runner reads an input with the batch dim in place (a KV cache per batch size) at exact
+        sizes only, so padded calls get graphs of their own (that input copied). One key for the whole
+        group: its runners capture a key in one forward call."""
+        if self._pins_rows is None:
+            self._pins_rows = any(r.pins_rows and r.capturable for r in self.runners)
+        return (size, n == size) if self._pins_rows else size
+
+    def restart(self, key) -> None:
+        """The graphs of `key` were dropped (an in-place input moved): warm up and capture it again."""
+        self.steps[key] = 0
+        self.capture_call.pop(key, None)
 
     def phase(self, runner, size) -> str:
         if runner is self.leader:
@@ -70,13 +85,14 @@ class RunnerGroup:
             return WARMUP
         return CAPTURE if call == self.calls else REPLAY
 
-    def captured(self, size) -> None:
+    def captured(self, key) -> None:
         total = sum(1 for r in self.runners if r.capturable)
         if total < 2:
             return
-        bar = self._bars.get(size)
+        bar = self._bars.get(key)
         if bar is None:
-            bar = self._bars[size] = tqdm.tqdm(
+            size = key if not isinstance(key, tuple) else f"{key[0]}{'' if key[1] else ' (padded calls)'}"
+            bar = self._bars[key] = tqdm.tqdm(
                 total=total, desc=f"torch_ext CUDA graphs {self.name} size={size}", unit="graph",
                 leave=False, disable=self.manager.bar_disabled)
         bar.update(1)

@@ -22,8 +22,11 @@ A runner called at batch size n (the runtime value of the graph's dynamic dim):
 
 Inputs. Parameters and buffers (Dynamo marks them static) are read in place: their addresses are
 baked into the graph (cudagraph_check_addresses verifies them on every replay). A user tensor
-without the batch dim that the graph writes in place (a KV cache) is read in place too, and its
-address is verified on every replay: a moved cache would otherwise be silently stale. Every other
+that the graph writes in place (a KV cache) is read in place too, and its address is verified on
+every replay: a moved cache would otherwise be silently stale, so the graphs of that call's forward
+are captured again for the new address. A cache with the batch dim (one per batch size, as
+generate makes) is read in place by calls at exactly a capture size; a padded call (n rows, graph
+of P) has graphs of its own that copy it in and out (RunnerGroup.key). Every other
 tensor is copied into a static buffer, except when it already lives in the output of a graph
 captured for the same size, static shapes included (the residual stream between pieces): then
 the graph reads it there, its address checked on every replay.
@@ -252,11 +255,14 @@ class CudaGraphManager:
                 spec = spec_of(value, info.symbol, name)
                 top = info.placeholders.get(name) if isinstance(node, fx.Node) and node.op == "placeholder" else None
                 spec.written = bool(top and top[2]) if written is None else i in written
-                if spec.kind == TENSOR and not spec.batch_dims and top is not None:
-                    if top[1]:
+                if spec.kind == TENSOR and top is not None:
+                    if top[1] and not spec.batch_dims:
                         spec.role = STATIC
                     elif spec.written:
-                        spec.role = PINNED  # copying a KV cache in and out on every call would cost its size twice
+                        # Copying a KV cache in and out on every call would cost its size twice (and a
+                        # static buffer of its size per capture size): read where it is. With the batch
+                        # dim, only by calls at exactly a capture size (runner.py).
+                        spec.role = PINNED
                 spec.written = spec.written and spec.role == COPIED  # copied back after each run
                 specs.append(spec)
         except NotCapturable as e:

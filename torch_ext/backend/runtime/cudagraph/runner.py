@@ -26,8 +26,10 @@ class _Entry:
     """What one runner holds for one capture size."""
 
     size: Any  # padded batch size (None for a graph without a dynamic dim)
+    key: Any  # the size, or (size, exact) where the group pins rows (RunnerGroup.key)
     static_args: list  # what the wrapped callable gets: static buffers, in-place tensors, ints
     buffers: dict[int, torch.Tensor]  # own static buffers by input position
+    copy_back: set[int]  # buffered inputs the region writes: copied back to the caller after a run
     graph: Any = None
     outputs: list | None = None  # static outputs (non-owning where nothing outside needs them)
     reused: dict[int, tuple[int, tuple]] = dataclasses.field(default_factory=dict)  # pos -> (ptr, stride)
@@ -83,8 +85,11 @@ class CudaGraphRunner:
         self._plans: dict[Any, _Plan] = {}
         self._entries: dict[Any, _Entry] = {}
         self._device: torch.device | None = None
-        self._retired: _Entry | None = None  # the entry replaced by a re-capture (_moved), until it is done
+        self._retired: list[_Entry] = []  # entries replaced by a re-capture (_moved), until it is done
         self._may_need_grad = any(s.kind == TENSOR for s in inputs)
+        # Inputs written in place that carry the batch dim (a KV cache per batch size): read where they
+        # are by the graph of a call at exactly a capture size; a padded call copies them (group.key).
+        self.pins_rows = any(s.kind == TENSOR and s.role == PINNED and s.batch_dims for s in inputs)
         self.is_leader = False
         self.made_by_splitting_op: dict[int, str] = {}  # input position -> the splitting op that returned it
         group.add(self)
@@ -162,13 +167,14 @@ class CudaGraphRunner:
         if self.symbol is not None and (size is None or (self.exact_only and size != n)):
             self._plans[n] = _NO_GRAPH
             return self._uncaptured(args)
-        entry = self._entries.get(size)
+        key = self.group.key(size, n)
+        entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[size] = self._new_entry(size, args)
+            entry = self._entries[key] = self._new_entry(size, key, args)
         if entry.graph is not None:
             plan = self._plans[n] = self._plan(entry, n)
             return self._replay(plan, args)
-        phase = self.group.phase(self, size)
+        phase = self.group.phase(self, key)
         if phase == CAPTURE:
             return self._capture(entry, n, args)
         if phase == REPLAY:  # missed its group's capture call: capturing now could reuse live memory
@@ -188,18 +194,23 @@ class CudaGraphRunner:
 
     # -- static buffers, plans ------------------------------------------------------------------
 
-    def _new_entry(self, size, args) -> _Entry:
+    def _new_entry(self, size, key, args) -> _Entry:
         static_args = list(args)
         buffers: dict[int, torch.Tensor] = {}
+        copy_back: set[int] = set()
+        padded = isinstance(key, tuple) and not key[1]
         for i, spec in enumerate(self.inputs):
             if spec.kind == SCALAR:
                 static_args[i] = size_at(spec.expr, self.symbol, size) if self.symbol is not None else args[i]
-            elif spec.kind == TENSOR and spec.role == COPIED:
+            elif spec.kind == TENSOR and (spec.role == COPIED or (padded and spec.role == PINNED and spec.batch_dims)):
+                # A pinned input with the batch dim has n rows where the graph reads P: copied in and out.
                 buf = torch.empty_strided(spec.shape_at(self.symbol, size), spec.stride_at(self.symbol, size),
                                           dtype=spec.dtype, device=args[i].device)
                 cudagraph_stats.static_input_bytes += buf.untyped_storage().nbytes()
                 buffers[i] = static_args[i] = buf
-        return _Entry(size, static_args, buffers)
+                if spec.written or spec.role == PINNED:
+                    copy_back.add(i)
+        return _Entry(size, key, static_args, buffers, copy_back)
 
     def _rows(self, t: torch.Tensor, spec: Spec, n) -> torch.Tensor:
         for d in spec.batch_dims:
@@ -212,7 +223,7 @@ class CudaGraphRunner:
         for i, buf in entry.buffers.items():
             view = self._rows(buf, self.inputs[i], n)
             view.copy_(args[i])
-            if self.inputs[i].written:
+            if i in entry.copy_back:
                 back.append((i, view))
         return back
 
@@ -242,10 +253,11 @@ class CudaGraphRunner:
         for i, buf in entry.buffers.items():
             view = self._rows(buf, self.inputs[i], n)
             copies.append((i, view))
-            if self.inputs[i].written:
+            if i in entry.copy_back:
                 copy_back.append((i, view))
         reused = [[i, ptr, stride, None] for i, (ptr, stride) in entry.reused.items()]
-        pinned = [(i, entry.addresses[i]) for i, s in enumerate(self.inputs) if s.kind == TENSOR and s.role == PINNED]
+        pinned = [(i, entry.addresses[i]) for i, s in enumerate(self.inputs)
+                  if s.kind == TENSOR and s.role == PINNED and i not in entry.buffers]
         checked = []
         if self.manager.check_addresses:
             checked = [(i, entry.addresses[i]) for i, s in enumerate(self.inputs) if s.kind == TENSOR and s.role == STATIC]
@@ -260,13 +272,13 @@ class CudaGraphRunner:
             if spec.kind != TENSOR:
                 continue
             if spec.role == COPIED:
-                padded = self.manager.output_view(args[i], entry.size, spec.shape_at(self.symbol, entry.size))
+                padded = self.manager.output_view(args[i], entry.key, spec.shape_at(self.symbol, entry.size))
                 if padded is not None:  # read in place from an earlier graph's output
                     entry.static_args[i] = non_owning(padded)  # that graph's memory, not ours to keep
                     entry.reused[i] = (args[i].data_ptr(), args[i].stride())
                     buf = entry.buffers.pop(i)
                     cudagraph_stats.static_input_bytes -= buf.untyped_storage().nbytes()
-            elif spec.role != COPIED:
+            elif i not in entry.buffers:
                 entry.static_args[i] = args[i]
                 entry.addresses[i] = args[i].data_ptr()
         copied = [(i, self.made_by_splitting_op[i]) for i in entry.buffers if i in self.made_by_splitting_op]
@@ -291,42 +303,48 @@ class CudaGraphRunner:
             return self.fallback(*args)
         outs = self._outputs(out)
         entry.graph, entry.captured_at = graph, n
-        self._retired = None  # the new graph holds the pool now
-        self.manager.note_outputs(outs, entry.size)
+        self._retired = [e for e in self._retired if e.key != entry.key]  # the new graph holds the pool now
+        self.manager.note_outputs(outs, entry.key)
         entry.outputs = [o if k in self.keep or not isinstance(o, torch.Tensor) else non_owning(o)
                          for k, o in enumerate(outs)]
         graph.replay()  # capture records without running: this call's results come from a replay
         for i, view in back:
             args[i].copy_(view)
         self._plans = {k: p for k, p in self._plans.items() if p.entry is not entry}
-        self.group.captured(entry.size)
+        self.group.captured(entry.key)
         # Owned outputs for this call: the memory stays taken until the forward is done with it.
         return self._result(outs, n)
 
     def _moved(self, entry: _Entry, i: int, args, ptr: int):
         """A tensor the graph writes in place is at another address than at capture (generate makes a
-        new cache per call). A graph captured alone (full mode) is captured again there, after its
-        warm-up, as CUDA graph trees re-record; in a group the graphs before it captured with the old
-        address in their memory plan: a clear error."""
-        if sum(r.capturable for r in self.group.runners) > 1:
-            raise self._moved_error(entry, i, args[i], ptr)
+        new cache per call). Every graph of the group at this key is captured again there, after a
+        warm-up, as CUDA graph trees re-record: the group's graphs of one key are captured in one
+        forward call, so they are dropped and captured together."""
         self.manager.note_once(("recapture", self.name), "torch_ext: %s: input %d '%s', written in place, moved "
-                               "since the capture (a new cache?): its graph is captured again for the new address "
-                               "(a warm-up call, then a capture, at each move)", self.name, i, self.inputs[i].name)
-        # Kept until the new graph is captured: the last graph of a private pool keeps the pool alive
-        # (capturing into a pool whose graphs are all gone fails an allocator assert).
-        self._retired = self._entries.pop(entry.size)
-        self._plans = {k: p for k, p in self._plans.items() if p.entry is not entry}
-        self.group.steps[entry.size] = 0
+                               "since the capture (a new cache?): the graphs of its forward are captured again for "
+                               "the new address (a warm-up call, then a capture, at each move)", self.name, i,
+                               self.inputs[i].name)
+        for runner in self.group.runners:
+            runner._retire(entry.key)
+        self.group.restart(entry.key)
         cudagraph_stats.recaptures += 1
         return self._slow(args, None)
+
+    def _retire(self, key) -> None:
+        """Drop the graph of `key`; kept until its replacement is captured: the last graph of a private
+        pool keeps the pool alive (capturing into a pool whose graphs are all gone fails an allocator assert)."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        if entry.graph is not None:
+            self._retired.append(entry)
+        self._plans = {k: p for k, p in self._plans.items() if p.entry is not entry}
 
     # -- errors -----------------------------------------------------------------------------------
 
     def _moved_error(self, entry: _Entry, i: int, arg: torch.Tensor, ptr: int) -> CudaGraphAddressError:
         spec = self.inputs[i]
-        why = ("a parameter or buffer (or a tensor marked with torch._dynamo.mark_static_address)"
-               if spec.role == STATIC else "a tensor without the batch dim that the graph writes in place")
+        why = "a parameter or buffer (or a tensor marked with torch._dynamo.mark_static_address)"
         return CudaGraphAddressError(
             f"torch_ext CUDA graph of {self.name} (capture size {entry.size}, captured at batch size "
             f"{entry.captured_at}): input {i} '{spec.name}' was at 0x{ptr:x} when the graph was captured and is "
