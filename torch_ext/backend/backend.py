@@ -20,12 +20,14 @@ from torch_ext.backend import dump
 from torch_ext.backend.compile.builder import VariantBuilder
 from torch_ext.backend.compile.cache import ArtifactStore, UnsafeCacheDirError, ensure_private_dir, model_key
 from torch_ext.backend.compile.compiler import InductorCompiler
+from torch_ext.backend.rewrite.merge_projections import merge_projections
 from torch_ext.backend.runtime.checkpoint import CheckpointedRegion
 from torch_ext.backend.runtime.cudagraph.buffer_stores import expect_transformed_code
 from torch_ext.backend.runtime.cudagraph.manager import CudaGraphManager
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.counters import counters
 from torch_ext.backend.compile.environment import environment_factors
+from torch_ext.backend.runtime.merged_params import MergedParams
 from torch_ext.backend.runtime.piece_group import PieceGroup
 from torch_ext.backend.runtime.piecewise import batch_symbol
 from torch_ext.backend.split.matcher import SplittingOpMatcher
@@ -56,6 +58,7 @@ class TorchExtBackend:
         self._graphs = 0
         self.unused_config = UnusedConfigReporter(self.config, self.matcher)
         self.last_store_key: str | None = None  # the piece cache's directory key of the last graph
+        self.last_merged = False  # whether the last graph's projections were merged (saved for warm start)
         self._said_warm = False
         self.warm_start_used = False  # set by torch_ext.compile when it serves warm starts (warm_start/program.py)
         if self.config.cache_dir and os.path.exists(self.config.cache_dir):
@@ -64,9 +67,11 @@ class TorchExtBackend:
     def __repr__(self) -> str:
         return f"TorchExtBackend({self.config})"
 
-    def __call__(self, gm: fx.GraphModule, example_inputs, *, store_key: str | None = None) -> fx.GraphModule:
+    def __call__(self, gm: fx.GraphModule, example_inputs, *, store_key: str | None = None,
+                 merge: bool | None = None) -> fx.GraphModule:
         """Compile a Dynamo graph. `store_key`: the piece cache's directory key saved with a warm-start
-        entry (warm_start/program.py), where no Dynamo trace is there to derive it from."""
+        entry (warm_start/program.py), where no Dynamo trace is there to derive it from; `merge`:
+        whether projections were merged when it was saved (None: for inference graphs, grad off)."""
         if self.config.warm_start and not self.warm_start_used and not self._said_warm:
             self._said_warm = True
             log.warning("torch_ext: CompileConfig.warm_start applies to torch_ext.compile(model, config); "
@@ -88,6 +93,15 @@ class TorchExtBackend:
         dumper = dump.DebugDumper(self.config.debug_dump_dir, index) if self.config.debug_dump_dir else None
         if dumper:
             dumper.graph("dynamo_graph.py", gm, "the graph Dynamo handed to the torch_ext backend")
+
+        if merge is None:
+            merge = self.config.merge_projections and not torch.is_grad_enabled()
+        merged = merge_projections(gm) if merge else None  # rewrite/: before the split (a copy of gm)
+        gm, plan = merged if merged is not None else (gm, None)
+        self.last_merged = merge
+        if plan is not None and dumper:
+            dumper.write("merged_projections.txt", plan.describe())
+            dumper.graph("merged_graph.py", gm, "the Dynamo graph with its projections merged")
 
         store = self._store(gm, store_key)
         self.last_store_key = store.key if store is not None else None
@@ -114,9 +128,15 @@ class TorchExtBackend:
             index, group.occurrences, len(group.pieces), group.splitting_ops,
             after["inductor_compiles"] - before["inductor_compiles"],
             after["cache_hits"] - before["cache_hits"], time.perf_counter() - start)
+        compiled = split.split_gm
         if self.cudagraphs is not None:  # piecewise: wraps the pieces in place; full: wraps the split graph
-            return self.cudagraphs.wrap(split, graph_info)
-        return split.split_gm
+            compiled = self.cudagraphs.wrap(split, graph_info)
+        if plan is None:
+            return compiled
+        counters.merged_projection_groups += len(plan.groups)
+        merged = MergedParams(compiled, plan, f"graph {index}")
+        merged.bind(example_inputs)  # the parameters become views of the buffers now
+        return merged
 
     def _store(self, gm: fx.GraphModule, key: str | None = None) -> ArtifactStore | None:
         if not self.config.cache_dir:

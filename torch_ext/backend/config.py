@@ -176,6 +176,9 @@ class CompileConfig:
     # Run passes.UnfuseOutputAddmm before them: a residual sum that the split made a piece output
     # would otherwise become an addmm, which costs a memcpy per residual on CUDA.
     unfuse_output_addmm: bool = True
+    # Inference graphs (compiled with grad off): projections reading one input (q/k/v, gate/up) run as one
+    # GEMM; their parameters become views of one buffer per group (rewrite/merge_projections.py).
+    merge_projections: bool = True
     # tqdm progress bars while compiling several pieces (None: only on a terminal).
     progress_bar: bool | None = None
     # CUDA graphs (README: CUDA graphs): "none", "piecewise" (a graph per compiled piece, splitting
@@ -248,7 +251,8 @@ class CompileConfig:
         dump = os.fspath(self.debug_dump_dir) if self.debug_dump_dir else None
         set_("debug_dump_dir", os.path.abspath(os.path.expanduser(dump)) if dump else None)
 
-        for flag in ("dedup", "cudagraph_check_addresses", "guard_free_dispatch", "unfuse_output_addmm"):
+        for flag in ("dedup", "cudagraph_check_addresses", "guard_free_dispatch", "unfuse_output_addmm",
+                     "merge_projections"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(flag, f"expected True or False, got {getattr(self, flag)!r}", f"Write {flag}=True")
         if self.warm_start is not None and not isinstance(self.warm_start, bool):
@@ -310,6 +314,7 @@ class CompileConfig:
             "compile_ranges_split_points": list(self.compile_ranges_split_points),
             "inductor_options": {str(k): repr(v) for k, v in sorted(self.inductor_options.items())},
             "hop_split": self.hop_split,
+            "merge_projections": self.merge_projections,
             # Pass identity also goes into every artifact key through PassManager.uuid().
             "post_grad_passes": [_qualified_name(p) for p in self.post_grad_passes],
         }

@@ -15,6 +15,8 @@ class BackendCounters:
     # Activation-checkpoint regions holding a splitting op, kept as regions in training (recomputed in
     # backward: split/checkpoint.py).
     checkpoint_regions: int = 0
+    # Groups of projections sharing an input merged into one GEMM (rewrite/merge_projections.py).
+    merged_projection_groups: int = 0
     inductor_compiles: int = 0  # standalone_compile calls
     cache_hits: int = 0  # variants loaded from the disk cache
     cache_misses: int = 0  # variants looked for on disk and not found

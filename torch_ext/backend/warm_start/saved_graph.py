@@ -135,10 +135,11 @@ class SavedGraph(compat.SerializableCallable):
     """The backend's compiled graph, serializable by torch's AOT compile."""
 
     def __init__(self, compiled, graph: bytes, store_key: str | None, sources: list[str | None],
-                 gm: fx.GraphModule):
+                 gm: fx.GraphModule, merged: bool | None = None):
         self.compiled = compiled
-        self.graph = graph
+        self.graph = graph  # saved before the backend's rewrite: loading runs it again, as `merged` says
         self.store_key = store_key
+        self.merged = merged  # whether the backend merged projections (grad mode at the trace)
         self.sources = sources  # Dynamo's source name of each placeholder ("L['x']"), for guard-free dispatch
         self.gm = gm  # the Dynamo graph (fake example values), for graph_inputs
 
@@ -152,7 +153,8 @@ class SavedGraph(compat.SerializableCallable):
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: "SavedGraph") -> bytes:
-        return pickle.dumps({"graph": fn.graph, "store_key": fn.store_key, "sources": fn.sources})
+        return pickle.dumps({"graph": fn.graph, "store_key": fn.store_key, "sources": fn.sources,
+                             "merged": fn.merged})
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> "SavedGraph":
@@ -165,8 +167,8 @@ class SavedGraph(compat.SerializableCallable):
         mode = _fake_mode(example_inputs)
         context = torch._guards.tracing(torch._guards.TracingContext(mode)) if mode else contextlib.nullcontext()
         with context, compat.lazy_graph_modules():
-            compiled = backend(gm, example_inputs, store_key=state["store_key"])
-        return cls(compiled, state["graph"], state["store_key"], state["sources"], gm)
+            compiled = backend(gm, example_inputs, store_key=state["store_key"], merge=state.get("merged"))
+        return cls(compiled, state["graph"], state["store_key"], state["sources"], gm, state.get("merged"))
 
 
 def backend_for_save(backend):
@@ -176,7 +178,7 @@ def backend_for_save(backend):
         graph = dump_graph(gm, lambda node: backend.matcher.match(node) is not None)  # before the split
         sources = [compat.placeholder_source(node) for node in gm.graph.find_nodes(op="placeholder")]
         compiled = backend(gm, example_inputs)
-        return SavedGraph(compiled, graph, backend.last_store_key, sources, gm)
+        return SavedGraph(compiled, graph, backend.last_store_key, sources, gm, backend.last_merged)
 
     return compile_and_keep
 
