@@ -1,0 +1,207 @@
+"""How far each way of running an unmodified HF Llama decode step is from the memory-bandwidth floor.
+
+    python bench/inference_floor.py [--batches 1,8,32] [--rounds 3] [--iters 30] [--autotune]
+                                    [--serving] [--smoke]
+
+Model and caches as bench/hf_decode.py (16 layers, hidden 2048, MLP 5632, bf16, a StaticCache per
+batch holding context - 1 tokens; one decode step per call). Floor = the bytes a step must read
+(every weight but the embedding table, and the whole static KV cache, which SDPA reads masked) /
+device-to-device copy bandwidth measured here (read + write bytes).
+
+Step table, per batch: GPU ms per step (CUDA events, steps back to back, median of the interleaved
+rounds), x floor, x ro (median of the per-round ratios to reduce-overhead), kernels and GEMM kernels per
+step (torch.profiler, kernels inside CUDA graphs included). Columns:
+  eager       the model as written
+  ro          torch.compile(mode="reduce-overhead"), as transformers recommends
+  ro-freeze   the same with Inductor's freezing (weights folded as constants: assumes they never change)
+  autotune    torch.compile(mode="max-autotune"), batch 1 only (--autotune: minutes of compile)
+  ext         torch_ext.compile(model, CompileConfig(cudagraph_mode="full", guard_free_dispatch=True),
+              dynamic=False): torch_ext's inference recipe, its other defaults (merged projections) on
+
+--serving: one dynamic-batch compile serving batches 1..32 (capture sizes 1, 2, 4, 8, 16, 32), one
+StaticCache per batch as generate makes: static input bytes, memory the graphs hold, ms per step at
+batch 1 and 32, for ro and ext (cudagraph_mode="full").
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hf_decode as H  # noqa: E402  (puts the repository on sys.path)
+from table import print_table  # noqa: E402
+
+CAPTURE = (1, 2, 4, 8, 16, 32)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times)
+
+
+def floor_bytes(setup, b: int) -> int:
+    model = setup.model
+    embed = model.get_input_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+    cache = setup.caches[b]
+    kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    return weights + kv
+
+
+def make(name: str, model, root: str, serving: bool = False):
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, name, "inductor")
+    dynamic = None if serving else False
+    if name == "eager":
+        return model
+    if name == "ro":
+        return torch.compile(model.forward, mode="reduce-overhead", fullgraph=True, dynamic=dynamic)
+    if name == "ro-freeze":
+        return torch.compile(model.forward, fullgraph=True, dynamic=dynamic,
+                             options={"triton.cudagraphs": True, "freezing": True})
+    if name == "autotune":
+        return torch.compile(model.forward, mode="max-autotune", fullgraph=True, dynamic=dynamic)
+    import torch_ext
+
+    config = torch_ext.CompileConfig(cudagraph_mode="full", guard_free_dispatch=not serving, progress_bar=False,
+                                     cache_dir=os.path.join(root, name, "torch_ext"),
+                                     cudagraph_capture_sizes=CAPTURE if serving else ())
+    return torch_ext.compile(model, config, dynamic=dynamic)
+
+
+def kernels_per_step(step, steps: int = 4) -> tuple[float, float]:
+    from torch.autograd import DeviceType
+
+    if not torch.cuda.is_available():  # --smoke on the CPU
+        return float("nan"), float("nan")
+
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA
+             and not e.name.startswith(("Memcpy", "Memset"))]
+    gemm = [n for n in names if any(k in n.lower() for k in ("gemm", "gemv", "cutlass", "sm90_", "mm_", "matmul"))]
+    return len(names) / steps, len(gemm) / steps
+
+
+def step_table(args, setup, bandwidth: float) -> None:
+    root = tempfile.mkdtemp(prefix="torch_ext_floor_")
+    columns = ["eager", "ro", "ro-freeze", "ext"] + (["autotune"] if args.autotune else [])
+    fns = {}
+    for name in columns:
+        fns[name] = make(name, setup.model, root)
+        batches = [1] if name == "autotune" else args.batches
+        for b in sorted(batches, reverse=True):
+            setup.reset(b)
+            with torch.no_grad():
+                setup.step(fns[name], b)
+            setup.reset(b)
+    errors = H.logits_errors(setup, {n: f for n, f in fns.items() if n != "eager"}, [1])
+    times = {}
+    for _ in range(args.rounds):
+        for b in args.batches:
+            for name, fn in fns.items():
+                if name == "autotune" and b != 1:
+                    continue
+                times.setdefault((name, b), []).append(H.time_steps(setup, fn, b, args.iters)[0])
+    rows = []
+    for b in args.batches:
+        floor_ms = floor_bytes(setup, b) / bandwidth * 1e3
+        for name, fn in fns.items():
+            if (name, b) not in times:
+                continue
+            mine = times[(name, b)]
+            ratio = statistics.median(t / r for t, r in zip(mine, times[("ro", b)]))
+
+            def one():
+                setup.step(fn, b)
+                setup.reset(b)
+            kernels, gemms = kernels_per_step(one)
+            ms = statistics.median(mine)
+            rows.append([b, name, f"{ms:.3f}", f"{ms / floor_ms:.2f}", f"{ratio:.2f}", f"{kernels:.0f}",
+                         f"{gemms:.0f}", f"{errors.get(name, 0.0):.1e}" if b == 1 else ""])
+        rows.append([b, "floor", f"{floor_ms:.3f}", "1.00", "", "", "", ""])
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke: timings say nothing)"
+    print(f"\nDecode step, HF Llama {setup.model.config.num_hidden_layers}x{setup.model.config.hidden_size} bf16, "
+          f"context {setup.context}, {device}, torch {torch.__version__}; copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s; {args.rounds} interleaved rounds of {args.iters} steps")
+    print_table(["batch", "column", "GPU ms", "x floor", "x ro", "kernels", "GEMMs", "logits err b=1"], rows)
+
+
+def serving_table(args, setup) -> None:
+    """One compile, every batch size with a cache of its own (generate's pattern)."""
+    from torch_ext.backend.runtime.cudagraph.stats import cudagraph_stats
+
+    memory = torch.cuda.memory_allocated if torch.cuda.is_available() else (lambda: 0)
+    root = tempfile.mkdtemp(prefix="torch_ext_serving_")
+    rows = []
+    for name in ("ro", "ext"):
+        torch._dynamo.reset()
+        cudagraph_stats.reset()
+        H.sync(setup.device)
+        before = memory()
+        fn = make(name, setup.model, root, serving=True)
+        for b in sorted(CAPTURE, reverse=True):
+            for _ in range(3):
+                setup.reset(b)
+                with torch.no_grad():
+                    setup.step(fn, b)
+            setup.reset(b)
+        H.sync(setup.device)
+        held = memory() - before
+        ms = {b: H.time_steps(setup, fn, b, args.iters)[0] for b in (1, 32)}
+        static = cudagraph_stats.static_input_bytes if name == "ext" else 0
+        rows.append([name, f"{static / 2**20:.0f}", f"{held / 2**20:.0f}", f"{ms[1]:.3f}", f"{ms[32]:.3f}"])
+        del fn
+    print(f"\nServing batches {CAPTURE} from one dynamic compile, a StaticCache per batch (setup as above)")
+    print_table(["column", "static input MiB", "memory held MiB", "ms b=1", "ms b=32"], rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--autotune", action="store_true")
+    parser.add_argument("--serving", action="store_true", help="also the multi-batch serving table")
+    parser.add_argument("--serving-only", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="tiny config on the CPU (checks the script)")
+    args = parser.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        print("bench/inference_floor.py needs a CUDA GPU (or --smoke for a CPU check of the script).")
+        return 0
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if args.smoke:
+        args.batches, args.rounds, args.iters = [1, 2], 1, 2
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = dynamo.accumulated_recompile_limit = 64
+    batches = sorted(set(args.batches) | (set(CAPTURE) if args.serving or args.serving_only else set()))
+    setup = H.Setup(argparse.Namespace(batches=batches, smoke=args.smoke))
+    if not args.serving_only:
+        step_table(args, setup, copy_bandwidth() if not args.smoke else 1e10)
+    if args.serving or args.serving_only:
+        serving_table(args, setup)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
