@@ -24,6 +24,7 @@ from collections import defaultdict
 
 import torch
 import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor
 
 from torch_ext import compat
@@ -162,7 +163,7 @@ def merge_projections(gm: fx.GraphModule) -> tuple[fx.GraphModule, MergePlan] | 
         w0 = _value(weights[0])
         rows = tuple(int(_value(w).shape[0]) for w in weights)
         x = _value(_linear_args(nodes[0])[0])
-        with fake_mode:
+        with fake_mode, enable_python_dispatcher():  # as Dynamo runs ops (symbolic sizes in composite ops)
             merged_w = torch.empty((sum(rows), w0.shape[1]), dtype=w0.dtype, device=w0.device)
             merged_b = torch.empty((sum(rows),), dtype=w0.dtype, device=w0.device) if biases else None
             merged_y = torch._C._nn.linear(x, merged_w, merged_b)
@@ -228,7 +229,7 @@ def _replay_views(nodes: list[fx.Node], parts, fake_mode) -> dict[fx.Node, objec
         else:
             continue  # computes a new tensor: any strides will do
         try:
-            with fake_mode:
+            with fake_mode, enable_python_dispatcher():
                 args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), lookup)
                 values[node] = run(*args, **kwargs)
         except Exception as e:  # e.g. "view size is not compatible with input tensor's size and stride"
@@ -242,6 +243,7 @@ def _replay_views(nodes: list[fx.Node], parts, fake_mode) -> dict[fx.Node, objec
 def _static_placeholder(gm: fx.GraphModule, after: fx.Node, name: str, value: torch.Tensor) -> fx.Node:
     with gm.graph.inserting_after(after):
         node = gm.graph.placeholder(name)
+    node.target = node.name  # the argument's name in the generated code: unique like the node's
     node.meta["example_value"] = value
     node.meta["tensor_dict"] = {_STATIC: "unguarded"}  # a parameter: CUDA graphs read it in place
     return node

@@ -1,0 +1,223 @@
+"""Merged projections (backend/rewrite/merge_projections.py, backend/runtime/merged_params.py): linears
+reading one input run as one GEMM in inference graphs, their parameters views of one buffer per group,
+never stale. CPU; outputs compared with eager."""
+from __future__ import annotations
+
+import collections
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import hf_models as hf
+import torch_ext
+from torch_ext.backend import CompileConfig, ConfigError, counters
+from torch_ext.testing import capture_graphs
+
+LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
+
+
+class Projections(nn.Module):
+    """Three projections of one input with bias (q/k/v-like rows 8, 4, 4), and one of another input."""
+
+    def __init__(self, bias: bool = True):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 8, bias=bias), nn.Linear(16, 4, bias=bias), nn.Linear(16, 4, bias=bias)
+        self.o = nn.Linear(8, 16)
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        return self.o(q * torch.cat([k, v], dim=-1).relu())
+
+
+def config(**fields) -> CompileConfig:
+    return CompileConfig(cache_dir=None, **fields)
+
+
+def linear_calls(pieces: dict[str, torch.fx.GraphModule]) -> int:
+    return sum(1 for gm in pieces.values() for n in gm.graph.nodes if n.op == "call_function" and n.target in LINEAR)
+
+
+def assert_matches(compiled, model, *inputs, **kwargs):
+    with torch.no_grad():
+        actual, expected = compiled(*inputs, **kwargs), model(*inputs, **kwargs)
+    if hasattr(expected, "logits"):
+        actual, expected = actual.logits, expected.logits
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def storage_bytes(model: nn.Module) -> int:
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("merge", [True, False])
+@pytest.mark.parametrize("rank", [2, 3])
+def test_hand_written_matches_eager_with_dynamic_batch(merge, rank):
+    model = Projections().eval()
+    compiled = torch_ext.compile(model, config(merge_projections=merge), dynamic=True)
+    shape = lambda batch: (batch, 16) if rank == 2 else (batch, 5, 16)  # noqa: E731
+    for batch in (3, 7, 2):
+        assert_matches(compiled, model, torch.randn(shape(batch)))
+    assert counters.merged_projection_groups == (1 if merge else 0)
+    assert counters.graphs_seen == 1  # no recompile for the other batch sizes
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_split_graph_has_fewer_linears(bias):
+    model = Projections(bias=bias).eval()
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        merged = capture_graphs(model, x, backend_config=config())
+        plain = capture_graphs(model, x, backend_config=config(merge_projections=False))
+    assert linear_calls(merged.pieces[0]) == 2 and linear_calls(plain.pieces[0]) == 4
+    torch.testing.assert_close(merged.outputs, plain.outputs)
+
+
+@pytest.mark.parametrize("cudagraph_mode", ["none", "piecewise", "full"])
+def test_backend_string_and_cudagraph_modes_on_cpu(cudagraph_mode):
+    """backend="torch_ext" with its defaults merges too; CUDA-graph modes (no graphs on a CPU) wrap the
+    same call."""
+    model = Projections().eval()
+    options = {"cache_dir": None} if cudagraph_mode == "none" else {"cache_dir": None, "cudagraph_mode": cudagraph_mode}
+    compiled = torch.compile(model, backend="torch_ext", options=options, dynamic=True)
+    for batch in (2, 5):
+        assert_matches(compiled, model, torch.randn(batch, 3, 16))
+    assert counters.merged_projection_groups == 1
+
+
+def test_tiny_llama_matches_eager_and_merges_qkv_and_gate_up():
+    model = hf.build("llama").eval()
+    ids = hf.token_ids(2, 8)
+    with torch.no_grad():
+        merged = capture_graphs(model, input_ids=ids, use_cache=False, backend_config=config())
+        plain = capture_graphs(model, input_ids=ids, use_cache=False, backend_config=config(merge_projections=False))
+        expected = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(merged.outputs.logits, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(plain.outputs.logits, expected, atol=1e-5, rtol=1e-5)
+    assert counters.merged_projection_groups == 2 * hf.LAYERS  # q/k/v and gate/up per layer
+    per_layer_saved = (3 - 1) + (2 - 1)
+    assert sum(map(linear_calls, merged.pieces)) == sum(map(linear_calls, plain.pieces)) - per_layer_saved * hf.LAYERS
+
+
+def _mm_events(fn, *args, **kwargs) -> int:
+    with torch.no_grad():
+        fn(*args, **kwargs)  # compile and warm up
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fn(*args, **kwargs)
+    names = collections.Counter(e.name for e in prof.events())
+    return names["aten::mm"] + names["aten::addmm"]
+
+
+def test_profiler_shows_fewer_gemms_than_inductor():
+    model = hf.build("llama").eval()
+    ids = hf.token_ids(1, 8)
+    inductor = _mm_events(torch.compile(model, dynamic=True), input_ids=ids, use_cache=False)
+    torch._dynamo.reset()
+    ours = _mm_events(torch_ext.compile(model, config(), dynamic=True), input_ids=ids, use_cache=False)
+    assert inductor > 0
+    assert ours == inductor - 3 * hf.LAYERS  # q/k/v: 3 -> 1, gate/up: 2 -> 1
+
+
+def test_no_second_copy_of_the_weights():
+    model = hf.build("llama").eval()
+    grouped = [p for layer in model.model.layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+               layer.self_attn.v_proj, layer.mlp.gate_proj, layer.mlp.up_proj) for p in m.parameters()]
+    old = [StorageWeakRef(p.untyped_storage()) for p in grouped]
+    before = storage_bytes(model)
+    compiled = torch_ext.compile(model, config(), dynamic=True)
+    assert_matches(compiled, model, input_ids=hf.token_ids(2, 8), use_cache=False)
+    assert storage_bytes(model) <= 1.1 * before
+    assert all(ref.expired() for ref in old)  # the parameters' old storages are freed
+    assert len({p.untyped_storage().data_ptr() for p in grouped}) == 2 * hf.LAYERS  # one buffer per group
+
+
+def test_updates_and_rebinds_are_seen_on_the_next_call():
+    model = Projections().eval()
+    compiled = torch_ext.compile(model, config(), dynamic=True)
+    x = torch.randn(3, 5, 16)
+    assert_matches(compiled, model, x)
+    with torch.no_grad():
+        model.q.weight.add_(1)  # in place: writes the buffer
+    assert_matches(compiled, model, x)
+    model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})  # copy_ into the buffer
+    assert_matches(compiled, model, x)
+    model.load_state_dict({k: v + 1 for k, v in model.state_dict().items()}, assign=True)  # new Parameters
+    assert_matches(compiled, model, x)
+    model.k.weight.data = torch.randn(4, 16)  # rebound
+    assert_matches(compiled, model, x)
+    model.v.bias = nn.Parameter(torch.randn(4))  # a new Parameter
+    assert_matches(compiled, model, x)
+    storage = model.q.weight.untyped_storage().data_ptr()
+    assert {p.untyped_storage().data_ptr() for p in (model.k.weight, model.v.weight)} == {storage}
+    assert counters.graphs_seen == 1
+
+
+def test_optimizer_step_is_seen():
+    model = Projections().eval()
+    compiled = torch_ext.compile(model, config(), dynamic=True)
+    x = torch.randn(4, 16)
+    assert_matches(compiled, model, x)
+    model(x).sum().backward()  # eager training step on the same (now merged) parameters
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert_matches(compiled, model, x)
+
+
+def test_grad_enabled_compile_is_left_alone_and_gradients_match():
+    model = Projections()
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    out = capture_graphs(twin, x, backend_config=config())
+    assert counters.merged_projection_groups == 0 and linear_calls(out.pieces[0]) == 4
+    compiled = torch_ext.compile(twin, config(), dynamic=True)
+    compiled(x).sum().backward()
+    model(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+    assert counters.merged_projection_groups == 0
+
+
+class Apart(nn.Module):
+    """Projections of different inputs, and one weight used by two linears of one input."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.shared = nn.Linear(16, 8), nn.Linear(16, 8), nn.Linear(16, 8)
+
+    def forward(self, x, y):
+        return self.a(x) + self.b(y) + self.shared(x) * torch.nn.functional.linear(x, self.shared.weight)
+
+
+def test_projections_not_sharing_an_input_are_left_alone():
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    with torch.no_grad():
+        out = capture_graphs(Apart().eval(), x, y, backend_config=config())
+    assert counters.merged_projection_groups == 0 and linear_calls(out.pieces[0]) == 4
+
+
+def test_switch_off_leaves_all_alone():
+    model = Projections().eval()
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    compiled = torch_ext.compile(model, config(merge_projections=False), dynamic=True)
+    assert_matches(compiled, model, torch.randn(3, 16))
+    assert counters.merged_projection_groups == 0
+    assert {p.untyped_storage().data_ptr() for p in model.parameters()} == storages
+
+
+def test_debug_dump_lists_the_groups(tmp_path):
+    model = Projections().eval()
+    compiled = torch_ext.compile(model, config(debug_dump_dir=str(tmp_path)), dynamic=True)
+    assert_matches(compiled, model, torch.randn(3, 16))
+    (path,) = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files if f == "merged_projections.txt"]
+    text = open(path).read()
+    assert "rows [8, 4, 4]" in text and "with bias" in text
+    assert all(f"_modules['{name}']" in text for name in ("q", "k", "v")), text
+
+
+def test_config_switch_is_validated_and_keyed():
+    with pytest.raises(ConfigError, match="merge_projections"):
+        CompileConfig(merge_projections="yes")
+    assert CompileConfig().artifact_hash() != CompileConfig(merge_projections=False).artifact_hash()
