@@ -20,7 +20,7 @@ from torch_ext.backend import dump
 from torch_ext.backend.compile.builder import VariantBuilder
 from torch_ext.backend.compile.cache import ArtifactStore, UnsafeCacheDirError, ensure_private_dir, model_key
 from torch_ext.backend.compile.compiler import InductorCompiler
-from torch_ext.backend.rewrite.merge_projections import merge_projections
+from torch_ext.backend.rewrite.merge_projections import MergePlan, merge_projections
 from torch_ext.backend.runtime.checkpoint import CheckpointedRegion
 from torch_ext.backend.runtime.cudagraph.buffer_stores import expect_transformed_code
 from torch_ext.backend.runtime.cudagraph.manager import CudaGraphManager
@@ -58,7 +58,6 @@ class TorchExtBackend:
         self._graphs = 0
         self.unused_config = UnusedConfigReporter(self.config, self.matcher)
         self.last_store_key: str | None = None  # the piece cache's directory key of the last graph
-        self.last_merged = False  # whether the last graph's projections were merged (saved for warm start)
         self._said_warm = False
         self.warm_start_used = False  # set by torch_ext.compile when it serves warm starts (warm_start/program.py)
         if self.config.cache_dir and os.path.exists(self.config.cache_dir):
@@ -68,10 +67,10 @@ class TorchExtBackend:
         return f"TorchExtBackend({self.config})"
 
     def __call__(self, gm: fx.GraphModule, example_inputs, *, store_key: str | None = None,
-                 merge: bool | None = None) -> fx.GraphModule:
+                 rewritten: bool = False, plan: MergePlan | None = None) -> fx.GraphModule:
         """Compile a Dynamo graph. `store_key`: the piece cache's directory key saved with a warm-start
-        entry (warm_start/program.py), where no Dynamo trace is there to derive it from; `merge`:
-        whether projections were merged when it was saved (None: for inference graphs, grad off)."""
+        entry (warm_start/program.py), where no Dynamo trace is there to derive it from. `rewritten`:
+        gm is already the result of `self.rewrite` (warm start saves that graph), whose plan is `plan`."""
         if self.config.warm_start and not self.warm_start_used and not self._said_warm:
             self._said_warm = True
             log.warning("torch_ext: CompileConfig.warm_start applies to torch_ext.compile(model, config); "
@@ -94,11 +93,8 @@ class TorchExtBackend:
         if dumper:
             dumper.graph("dynamo_graph.py", gm, "the graph Dynamo handed to the torch_ext backend")
 
-        if merge is None:
-            merge = self.config.merge_projections and not torch.is_grad_enabled()
-        merged = merge_projections(gm) if merge else None  # rewrite/: before the split (a copy of gm)
-        gm, plan = merged if merged is not None else (gm, None)
-        self.last_merged = merge
+        if not rewritten:
+            gm, plan = self.rewrite(gm)
         if plan is not None and dumper:
             dumper.write("merged_projections.txt", plan.describe())
             dumper.graph("merged_graph.py", gm, "the Dynamo graph with its projections merged")
@@ -137,6 +133,15 @@ class TorchExtBackend:
         merged = MergedParams(compiled, plan, f"graph {index}")
         merged.bind(example_inputs)  # the parameters become views of the buffers now
         return merged
+
+    def rewrite(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, MergePlan | None]:
+        """The Dynamo graph the stages after it see (rewrite/): in inference graphs (grad off), a copy
+        with its projections merged, and the plan of the buffers it takes after its own inputs."""
+        if self.config.merge_projections and not torch.is_grad_enabled():
+            merged = merge_projections(gm)
+            if merged is not None:
+                return merged
+        return gm, None
 
     def _store(self, gm: fx.GraphModule, key: str | None = None) -> ArtifactStore | None:
         if not self.config.cache_dir:

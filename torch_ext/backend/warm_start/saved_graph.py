@@ -1,9 +1,10 @@
 """The torch_ext backend's compiled program as torch's AOT compile saves it (warm_start/program.py).
 
 `SavedGraph` is what the backend hands Dynamo under warm start: the compiled split graph, plus what
-rebuilds it in another process without tracing: the Dynamo graph (pickled by torch's GraphPickler
-with the fake example values the backend reads: inputs, and values used across pieces) and the
-directory key of its pieces in the disk cache. Loading it
+rebuilds it in another process without tracing: the Dynamo graph as the backend's rewrite left it
+(merged projections, with the plan of the buffers it takes; pickled by torch's GraphPickler with the
+fake example values the backend reads: inputs, and values used across pieces) and the directory key
+of its pieces in the disk cache. Loading it
 runs the backend again on that graph (split, dedup, runners, CUDA-graph plan: all cheap) and
 loads every piece from the disk cache, as vLLM's backend does.
 """
@@ -135,11 +136,11 @@ class SavedGraph(compat.SerializableCallable):
     """The backend's compiled graph, serializable by torch's AOT compile."""
 
     def __init__(self, compiled, graph: bytes, store_key: str | None, sources: list[str | None],
-                 gm: fx.GraphModule, merged: bool | None = None):
+                 gm: fx.GraphModule, plan=None):
         self.compiled = compiled
-        self.graph = graph  # saved before the backend's rewrite: loading runs it again, as `merged` says
+        self.graph = graph  # the graph as the backend's rewrite left it (merged projections)
         self.store_key = store_key
-        self.merged = merged  # whether the backend merged projections (grad mode at the trace)
+        self.plan = plan  # the rewrite's MergePlan (the buffers the graph takes), or None
         self.sources = sources  # Dynamo's source name of each placeholder ("L['x']"), for guard-free dispatch
         self.gm = gm  # the Dynamo graph (fake example values), for graph_inputs
 
@@ -154,7 +155,7 @@ class SavedGraph(compat.SerializableCallable):
     @classmethod
     def serialize_compile_artifacts(cls, fn: "SavedGraph") -> bytes:
         return pickle.dumps({"graph": fn.graph, "store_key": fn.store_key, "sources": fn.sources,
-                             "merged": fn.merged})
+                             "plan": fn.plan})
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> "SavedGraph":
@@ -167,18 +168,21 @@ class SavedGraph(compat.SerializableCallable):
         mode = _fake_mode(example_inputs)
         context = torch._guards.tracing(torch._guards.TracingContext(mode)) if mode else contextlib.nullcontext()
         with context, compat.lazy_graph_modules():
-            compiled = backend(gm, example_inputs, store_key=state["store_key"], merge=state.get("merged"))
-        return cls(compiled, state["graph"], state["store_key"], state["sources"], gm, state.get("merged"))
+            compiled = backend(gm, example_inputs, store_key=state["store_key"], rewritten=True,
+                               plan=state.get("plan"))
+        return cls(compiled, state["graph"], state["store_key"], state["sources"], gm, state.get("plan"))
 
 
 def backend_for_save(backend):
     """A Dynamo backend for compat.aot_compile: the torch_ext backend, its result made serializable."""
 
     def compile_and_keep(gm: fx.GraphModule, example_inputs):
-        graph = dump_graph(gm, lambda node: backend.matcher.match(node) is not None)  # before the split
         sources = [compat.placeholder_source(node) for node in gm.graph.find_nodes(op="placeholder")]
-        compiled = backend(gm, example_inputs)
-        return SavedGraph(compiled, graph, backend.last_store_key, sources, gm, backend.last_merged)
+        # Saved after the rewrite (its choices need example values the saved graph drops), before the split.
+        rewritten, plan = backend.rewrite(gm)
+        graph = dump_graph(rewritten, lambda node: backend.matcher.match(node) is not None)
+        compiled = backend(rewritten, example_inputs, rewritten=True, plan=plan)
+        return SavedGraph(compiled, graph, backend.last_store_key, sources, gm, plan)
 
     return compile_and_keep
 
