@@ -185,6 +185,25 @@ def test_with_dynamic_false_a_call_the_program_was_not_traced_for_goes_through_d
 
 
 @aot_only
+def test_a_call_that_found_no_program_does_not_compute_the_key_again(tmp_path, fx_pieces, monkeypatch):
+    """Serving keeps calling at a shape no saved program takes (Dynamo's batch-1 graph): the entry key
+    (the model's digest: milliseconds on a large model) is computed at the first such call only."""
+    model = bm.Decoder(layers=2)
+    compiled = torch_ext.compile(model, config(tmp_path), dynamic=False)
+    keys = []
+    entry_key = warm_start.WarmStart.entry_key
+    monkeypatch.setattr(warm_start.WarmStart, "entry_key", lambda *a: keys.append(1) or entry_key(*a))
+    with torch.no_grad():
+        compiled(bm.batch(4, seed=0), model.caches())
+        first = len(keys)
+        for _ in range(5):
+            y = bm.batch(6, seed=6)
+            torch.testing.assert_close(compiled(y, model.caches()), model(y, model.caches()))
+    assert counters.warm_start_fallbacks == 5
+    assert len(keys) == first + 1, keys  # the batch-6 call's key, once
+
+
+@aot_only
 def test_first_call_other_dtype_or_mode_never_runs_the_saved_program(tmp_path, fx_pieces):
     model = bm.Decoder(layers=2)
     cfg = config(tmp_path)

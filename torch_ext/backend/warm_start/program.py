@@ -118,6 +118,9 @@ class WarmStart:
         self._load_failure: str | None = None  # why the entry found did not load (it is traced once more)
         self._tried: set[str] = set()  # entry names looked up (loaded, traced or refused) by this process
         self._refused = False  # an entry could not be traced: no more looking (each costs a key)
+        # Shapes of calls that found no program: the key (the model's digest) is not computed again
+        # for them on every call. Missing a program later costs speed only: torch.compile serves them.
+        self._found_nothing: set = set()
 
     def say(self, key: str, msg: str, *args, level: int = logging.INFO) -> None:
         """One log line per kind of event."""
@@ -138,6 +141,9 @@ class WarmStart:
                      at_hand[0].mismatch(args, kwargs))
         found, loaded = None, []
         if self._refused or len(self._tried) >= MAX_PROGRAMS:  # (each look costs a key: the model's digest)
+            return found, loaded
+        shape = _call_shape(args, kwargs)
+        if shape in self._found_nothing:
             return found, loaded
         for dynamic in (self.dynamic, True) if self.dynamic is None else (self.dynamic,):
             try:
@@ -164,6 +170,8 @@ class WarmStart:
                 break
             self.say("mismatch " + name, "a call the %s program was not traced for (%s)",
                      "dynamic" if dynamic else "saved", reason)
+        if found is None and len(self._found_nothing) < 1024:
+            self._found_nothing.add(shape)
         return found, loaded
 
     def program(self, args: tuple, kwargs: dict, name: str, factors: dict, dynamic: bool | None) -> Program | None:
@@ -398,6 +406,13 @@ class WarmStartModule:
         if name == "model":
             raise AttributeError(name)
         return getattr(self.model, name)
+
+
+def _call_shape(args: tuple, kwargs: dict) -> tuple:
+    """What tells calls apart cheaply: tensors by shape, dtype and device, anything else by type."""
+    def one(v):
+        return (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else type(v)
+    return tuple(map(one, args)), tuple((k, one(v)) for k, v in sorted(kwargs.items()))
 
 
 def _dynamo_refusal(e: BaseException) -> bool:
