@@ -17,6 +17,7 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
   autotune    torch.compile(mode="max-autotune"), batch 1 only (--autotune: minutes of compile)
   ext         torch_ext.compile(model, CompileConfig(cudagraph_mode="full", guard_free_dispatch=True),
               dynamic=False): torch_ext's inference recipe, its other defaults (merged projections) on
+  ext-unmerged  the same with merge_projections=False
 
 --serving: one dynamic-batch compile serving batches 1..32 (capture sizes 1, 2, 4, 8, 16, 32), one
 StaticCache per batch as generate makes: static input bytes, memory the graphs hold, ms per step at
@@ -82,7 +83,8 @@ def make(name: str, model, root: str, serving: bool = False):
 
     config = torch_ext.CompileConfig(cudagraph_mode="full", guard_free_dispatch=not serving, progress_bar=False,
                                      cache_dir=os.path.join(root, name, "torch_ext"),
-                                     cudagraph_capture_sizes=CAPTURE if serving else ())
+                                     cudagraph_capture_sizes=CAPTURE if serving else (),
+                                     merge_projections=name != "ext-unmerged")
     return torch_ext.compile(model, config, dynamic=dynamic)
 
 
@@ -105,7 +107,7 @@ def kernels_per_step(step, steps: int = 4) -> tuple[float, float]:
 
 def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
-    columns = ["eager", "ro", "ro-freeze", "ext"] + (["autotune"] if args.autotune else [])
+    columns = ["eager", "ro", "ro-freeze", "ext", "ext-unmerged"] + (["autotune"] if args.autotune else [])
     fns = {}
     for name in columns:
         fns[name] = make(name, setup.model, root)
