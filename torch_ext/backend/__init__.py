@@ -4,7 +4,7 @@
     torch.compile(model, backend=torch_ext.backend(CompileConfig(splitting_ops=["mylib::attention"])))
 
 Stages, each a subpackage whose docstring says what it owns and may import; data flows one way:
-Dynamo graph -> split/ -> compile/ (with passes/) -> runtime/ (pieces, CUDA graphs). backend.py
+Dynamo graph -> rewrite/ -> split/ -> compile/ (with passes/) -> runtime/ (pieces, CUDA graphs). backend.py
 (the Dynamo backend) drives them; warm_start/ and dispatch/ stand on top. config, counters and
 dump sit below every stage. The layering is a contract CI checks (.importlinter).
 """
