@@ -358,6 +358,25 @@ def test_check_addresses_catches_a_replaced_parameter(fx_pieces):
             compiled(torch.randn(3, cm.D_MODEL), ck, cv, 3)
 
 
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+@pytest.mark.parametrize("merge", [True, False])
+def test_new_parameters_capture_the_graphs_again(fx_pieces, mode, merge):
+    """load_state_dict(assign=True) puts new tensors in the module: a graph reading the old ones would
+    be silently stale. Their addresses are checked on every replay and a move captures again."""
+    model = cm.TinyDecoder(layers=2)
+    compiled = torch.compile(model, backend=backend(mode, merge_projections=merge))
+    rows = mode == "piecewise"  # full graphs pad the splitting op: cache rows past the batch may differ
+    run_against_eager(model, compiled, [3, 3, 3], full_cache=rows)
+    captures = cudagraph_stats.captures
+    with torch.no_grad():
+        model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()}, assign=True)
+        model.head.weight.data = model.head.weight.data.clone()
+    for seed in range(3):
+        run_against_eager(model, compiled, [3, 3, 3], full_cache=rows, seed=seed + 1)
+    # Full graphs also read the caches in place: run_against_eager brings new ones each time.
+    assert cudagraph_stats.recaptures == (1 if rows else 3) and cudagraph_stats.captures > captures
+
+
 # -- regions we do not pad or capture ----------------------------------------------------------
 
 

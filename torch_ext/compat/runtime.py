@@ -10,6 +10,13 @@ def non_owning_storage(data_ptr: int, device: torch.device, nbytes: int):
     return torch._C._construct_storage_from_data_pointer(data_ptr, device, nbytes)
 
 
+def data_ptrs_equal(args: list, ptrs: list, indices: list) -> bool:
+    """Whether args[i].data_ptr() == ptrs[i] for every i in indices (`ptrs` by position, like `args`,
+    which must be a list): one C++ call, the check torch's cudagraph trees run on each replay
+    (private, present from 2.9.1 to 2.15)."""
+    return torch._C._tensors_data_ptrs_at_indices_equal(args, ptrs, indices)
+
+
 def rng_state_before_capture(device_index: int):
     """A copy of the device's default CUDA generator state, for recover_from_failed_capture."""
     return torch.cuda.default_generators[device_index].clone_state()

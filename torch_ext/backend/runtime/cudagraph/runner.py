@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from torch_ext import compat
 from torch_ext.backend.runtime.cudagraph.group import CAPTURE, REPLAY, RunnerGroup
 from torch_ext.backend.runtime.cudagraph.errors import CudaGraphAddressError, CudaGraphCaptureError
 from torch_ext.backend.runtime.cudagraph.stats import cudagraph_stats
@@ -46,13 +47,22 @@ class _Plan:
     copies: list  # (pos, destination view of n rows)
     copy_back: list  # (pos, source view of n rows)
     reused: list  # [pos, ptr, stride, last tensor seen there]: read in place from an earlier graph's output
-    pinned: list  # (pos, ptr): verified on every replay
+    pinned: list  # (pos, ptr): read in place, verified on every replay (a move captures again)
     checked: list  # (pos, ptr or const): verified when cudagraph_check_addresses is on
     result: Any
     replay: Callable | None = None  # the graph's C++ replay, bound (skips CUDAGraph.replay's Python frame)
+    pinned_at: list = dataclasses.field(default_factory=list)  # positions of `pinned`, for one C++ check
+    pinned_ptrs: list = dataclasses.field(default_factory=list)  # their addresses by input position
 
 
 _NO_GRAPH = _Plan(None, None, [], [], [], [], [], None)  # type: ignore[arg-type]
+
+
+def _moved_input(plan: _Plan, args) -> tuple[int, int] | None:
+    """The first pinned input not at its captured address, as (pos, ptr), else None."""
+    if not plan.pinned or compat.data_ptrs_equal(list(args), plan.pinned_ptrs, plan.pinned_at):
+        return None
+    return next((i, ptr) for i, ptr in plan.pinned if args[i].data_ptr() != ptr)
 
 
 class CudaGraphRunner:
@@ -128,9 +138,9 @@ class CudaGraphRunner:
                                            self.name, reused[0])
                     return self._uncaptured(args)
                 reused[3] = a
-        for i, ptr in plan.pinned:
-            if args[i].data_ptr() != ptr:
-                return self._moved(plan.entry, i, args, ptr)
+        moved = _moved_input(plan, args)
+        if moved is not None:
+            return self._moved(plan.entry, *moved, args)
         if plan.checked:
             self._check(plan, args)
         for i, dst in plan.copies:
@@ -256,14 +266,17 @@ class CudaGraphRunner:
             if i in entry.copy_back:
                 copy_back.append((i, view))
         reused = [[i, ptr, stride, None] for i, (ptr, stride) in entry.reused.items()]
-        pinned = [(i, entry.addresses[i]) for i, s in enumerate(self.inputs)
-                  if s.kind == TENSOR and s.role == PINNED and i not in entry.buffers]
+        # Parameters and buffers too: `load_state_dict(assign=True)` or `.data = t` moves them, and the
+        # graph would read the old memory. A move captures again; cudagraph_check_addresses makes it an error.
+        strict = self.manager.check_addresses
+        pinned = [(i, entry.addresses[i]) for i, s in enumerate(self.inputs) if s.kind == TENSOR and i not in
+                  entry.buffers and (s.role == PINNED or (s.role == STATIC and not strict))]
         checked = []
-        if self.manager.check_addresses:
+        if strict:
             checked = [(i, entry.addresses[i]) for i, s in enumerate(self.inputs) if s.kind == TENSOR and s.role == STATIC]
             checked += [(i, s.value) for i, s in enumerate(self.inputs) if s.kind == CONST]
         return _Plan(entry, entry.graph, copies, copy_back, reused, pinned, checked, self._result(entry.outputs, n),
-                     _replayer(entry.graph))
+                     _replayer(entry.graph), [i for i, _ in pinned], _by_position(pinned, len(self.inputs)))
 
     # -- capture ----------------------------------------------------------------------------------
 
@@ -315,14 +328,14 @@ class CudaGraphRunner:
         # Owned outputs for this call: the memory stays taken until the forward is done with it.
         return self._result(outs, n)
 
-    def _moved(self, entry: _Entry, i: int, args, ptr: int):
-        """A tensor the graph writes in place is at another address than at capture (generate makes a
-        new cache per call). Every graph of the group at this key is captured again there, after a
+    def _moved(self, entry: _Entry, i: int, ptr: int, args):
+        """A tensor the graph reads in place is at another address than at capture (generate makes a
+        new cache per call; `load_state_dict(assign=True)` new parameters). Every graph of the group at this key is captured again there, after a
         warm-up, as CUDA graph trees re-record: the group's graphs of one key are captured in one
         forward call, so they are dropped and captured together."""
-        self.manager.note_once(("recapture", self.name), "torch_ext: %s: input %d '%s', written in place, moved "
-                               "since the capture (a new cache?): the graphs of its forward are captured again for "
-                               "the new address (a warm-up call, then a capture, at each move)", self.name, i,
+        self.manager.note_once(("recapture", self.name), "torch_ext: %s: input %d '%s', read in place, moved "
+                               "since the capture (a new cache or new weights?): the graphs of its forward are captured "
+                               "again for the new address (a warm-up call, then a capture, at each move)", self.name, i,
                                self.inputs[i].name)
         for runner in self.group.runners:
             runner._retire(entry.key)
@@ -363,6 +376,14 @@ class CudaGraphRunner:
                         "this call cannot replay it.")
             elif args[i].data_ptr() != expected:
                 raise self._moved_error(plan.entry, i, args[i], expected)
+
+
+def _by_position(pinned: list, n: int) -> list:
+    """Addresses by input position (None where unchecked): the C++ check indexes both lists alike."""
+    ptrs: list = [None] * n
+    for i, ptr in pinned:
+        ptrs[i] = ptr
+    return ptrs
 
 
 def _replayer(graph) -> Callable:
