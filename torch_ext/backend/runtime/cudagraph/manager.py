@@ -21,7 +21,8 @@ A runner called at batch size n (the runtime value of the graph's dynamic dim):
     static buffers; the next call captures, then replays.
 
 Inputs. Parameters and buffers (Dynamo marks them static) are read in place: their addresses are
-baked into the graph (cudagraph_check_addresses verifies them on every replay). A user tensor
+baked into the graph and checked on every replay (new weights capture again; an error with
+cudagraph_check_addresses). A user tensor
 that the graph writes in place (a KV cache) is read in place too, and its address is verified on
 every replay: a moved cache would otherwise be silently stale, so the graphs of that call's forward
 are captured again for the new address. A cache with the batch dim (one per batch size, as
