@@ -27,6 +27,8 @@ batch 1 and 32, for ro and ext (cudagraph_mode="full").
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 import os
 import statistics
 import sys
@@ -177,12 +179,16 @@ def serving_table(args, setup) -> None:
             setup.reset(b)
         H.sync(setup.device)
         held = memory() - before
+        before = dataclasses.replace(cudagraph_stats)
         ms = {b: H.time_steps(setup, fn, b, args.iters)[0] for b in (1, 32)}
         static = cudagraph_stats.static_input_bytes if name == "ext" else 0
-        rows.append([name, f"{static / 2**20:.0f}", f"{held / 2**20:.0f}", f"{ms[1]:.3f}", f"{ms[32]:.3f}"])
+        timed = "-" if name != "ext" else "/".join(
+            str(getattr(cudagraph_stats, k) - getattr(before, k)) for k in ("replays", "uncaptured_runs", "recaptures"))
+        rows.append([name, f"{static / 2**20:.0f}", f"{held / 2**20:.0f}", f"{ms[1]:.3f}", f"{ms[32]:.3f}", timed])
         del fn
     print(f"\nServing batches {CAPTURE} from one dynamic compile, a StaticCache per batch (setup as above)")
-    print_table(["column", "static input MiB", "memory held MiB", "ms b=1", "ms b=32"], rows)
+    print_table(["column", "static input MiB", "memory held MiB", "ms b=1", "ms b=32",
+                 "timed steps: replays/uncaptured/recaptures"], rows)
 
 
 def main() -> int:
@@ -194,7 +200,11 @@ def main() -> int:
     parser.add_argument("--serving", action="store_true", help="also the multi-batch serving table")
     parser.add_argument("--serving-only", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny config on the CPU (checks the script)")
+    parser.add_argument("--log", action="store_true", help="torch_ext's INFO log (what runs without graphs, and why)")
     args = parser.parse_args()
+    if args.log:
+        logging.basicConfig(format="%(name)s: %(message)s")
+        logging.getLogger("torch_ext").setLevel(logging.INFO)
     if not args.smoke and not torch.cuda.is_available():
         print("bench/inference_floor.py needs a CUDA GPU (or --smoke for a CPU check of the script).")
         return 0

@@ -137,8 +137,8 @@ class BatchCacheDecoder(TinyDecoder):
             h = h + layer.down(torch.nn.functional.gelu(layer.up(layer.norm2(h))))
         return self.head(h)
 
-    def caches_for(self, n: int, device="cpu", dtype=torch.float32):
-        shape = (n, MAX_POS, HEADS, HEAD_DIM)
+    def caches_for(self, n: int, device="cpu", dtype=torch.float32, max_pos: int = MAX_POS):
+        shape = (n, max_pos, HEADS, HEAD_DIM)
         make = lambda: [torch.randn(shape, device=device, dtype=dtype) for _ in self.layers]  # noqa: E731
         return make(), make()
 

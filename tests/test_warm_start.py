@@ -458,3 +458,31 @@ def test_a_ranged_dynamic_dim_loads_the_saved_program(tmp_path, fx_pieces):
                 torch.testing.assert_close(compiled(x, model.caches()), model(x, model.caches()))
     assert counters.warm_start_saves == 1 and counters.warm_start_loads == 1
     assert counters.warm_start_fallbacks == 0
+
+
+@aot_only
+def test_the_dynamic_entry_makes_dynamic_only_the_dims_that_changed(tmp_path, fx_pieces):
+    """A call its static entry refuses (another batch) gets a dynamic entry traced with the dims that
+    differ from the static entry's call dynamic, as Dynamo's automatic dynamic: with every dim dynamic
+    (head counts, cache length) CUDA graphs could not pad its graph, and each step ran without one."""
+    import cudagraph_models as cm
+    from torch_ext.backend.runtime.cudagraph.stats import cudagraph_stats
+
+    cudagraph_stats.reset()
+    model = cm.BatchCacheDecoder(layers=2)
+    cfg = CompileConfig(splitting_ops=cm.SPLITTING_OPS, cache_dir=str(tmp_path), cudagraph_mode="full",
+                        cudagraph_capture_sizes=(2, 4, 8), progress_bar=False)
+    compiled = torch_ext.compile(model, cfg)
+    compiled.warm.backend.cudagraphs = cm.SimulatedCudaGraphs(cfg)
+    with torch.no_grad():
+        for n in (4, 2, 8):
+            ek, ev = model.caches_for(n, max_pos=12)  # a length no other dim has: it would stay symbolic
+            ck, cv = [t.clone() for t in ek], [t.clone() for t in ev]
+            for _ in range(3):
+                x = torch.randn(n, cm.D_MODEL)
+                torch.testing.assert_close(compiled(x, ck, cv, 3), model(x, ek, ev, 3), atol=1e-5, rtol=1e-5)
+    assert counters.warm_start_saves == 2 and counters.warm_start_fallbacks == 0
+    runners = compiled.warm.backend.cudagraphs.runners()
+    assert len(runners) == 2 and all(r.capturable for r in runners), [r.reason for r in runners]
+    assert {2, 8} <= cudagraph_stats.sizes  # the dynamic program's graphs
+    assert all(not hasattr(t, "_dynamo_weak_dynamic_indices") for t in ck + cv)  # the user's tensors as they were

@@ -38,6 +38,7 @@ import torch
 
 from torch_ext import config as torch_ext_config
 from torch_ext import compat
+from torch_ext.backend.warm_start import dims
 from torch_ext.backend.warm_start import key as warm_key
 from torch_ext.backend.warm_start import saved_graph
 from torch_ext.backend.runtime.cudagraph.buffer_stores import buffer_assignments
@@ -121,6 +122,7 @@ class WarmStart:
         # Shapes of calls that found no program: the key (the model's digest) is not computed again
         # for them on every call. Missing a program later costs speed only: torch.compile serves them.
         self._found_nothing: set = set()
+        self._shapes: dict[str, dict] = {}  # static entry name -> tensor shapes of the call it served
 
     def say(self, key: str, msg: str, *args, level: int = logging.INFO) -> None:
         """One log line per kind of event."""
@@ -145,9 +147,11 @@ class WarmStart:
         shape = _call_shape(args, kwargs)
         if shape in self._found_nothing:
             return found, loaded
+        static_name = None
         for dynamic in (self.dynamic, True) if self.dynamic is None else (self.dynamic,):
             try:
                 name, factors = self.entry_key(args, kwargs, dynamic)
+                static_name = name if dynamic is None else static_name
             except Exception as e:  # an argument the key cannot describe: torch.compile
                 self.say("key", "cannot describe this call for the cache (%s: %s); it goes through torch.compile",
                          type(e).__name__, e, level=logging.WARNING)
@@ -159,7 +163,10 @@ class WarmStart:
                          "torch.compile", MAX_PROGRAMS, level=logging.WARNING)
                 break
             self._tried.add(name)
-            program = self.program(args, kwargs, name, factors, dynamic)
+            # The dynamic entry: the dims that differ from its static entry's call, where that call is known.
+            base = self._shapes.get(static_name) if dynamic is True else None
+            marks = dims.differing(base, args, kwargs) if base is not None else None
+            program = self.program(args, kwargs, name, factors, dynamic, marks)
             if program is None:  # refused (a graph break, most often forward-wide) or unusable cache dir
                 self._refused = True
                 break
@@ -167,6 +174,8 @@ class WarmStart:
             reason = program.mismatch(args, kwargs)
             if reason is None:
                 found = program
+                if dynamic is None:
+                    self._shapes[name] = dims.shapes(args, kwargs)
                 break
             self.say("mismatch " + name, "a call the %s program was not traced for (%s)",
                      "dynamic" if dynamic else "saved", reason)
@@ -174,8 +183,10 @@ class WarmStart:
             self._found_nothing.add(shape)
         return found, loaded
 
-    def program(self, args: tuple, kwargs: dict, name: str, factors: dict, dynamic: bool | None) -> Program | None:
-        """The program of entry `name`: loaded, or traced for this call and saved; None: use torch.compile."""
+    def program(self, args: tuple, kwargs: dict, name: str, factors: dict, dynamic: bool | None,
+                marks: list | None = None) -> Program | None:
+        """The program of entry `name`: loaded, or traced for this call and saved (with `marks`, the
+        dims dims.differing found, dynamic; else as `dynamic` says); None: use torch.compile."""
         try:
             store = ArtifactStore(self.backend.config.cache_dir, STORE)
         except OSError as e:
@@ -188,7 +199,9 @@ class WarmStart:
             with store.lock(name):  # one process traces and saves; the others then load
                 found = self._load(store, name, quiet=True)
                 if found is None:
-                    found = self._compile_and_save(store, name, factors, args, kwargs, dynamic)
+                    with dims.marked_dynamic(marks or []):
+                        found = self._compile_and_save(store, name, factors, args, kwargs,
+                                                       None if marks else dynamic)
         if isinstance(found, Program):
             log.info("torch_ext warm start of %s: ready in %.2f s", self.name, time.perf_counter() - start)
             return found
