@@ -13,6 +13,7 @@ setup(
         "torch_ext.backend.split",
         "torch_ext.backend.compile",
         "torch_ext.backend.passes",
+        "torch_ext.backend.rewrite",
         "torch_ext.backend.runtime",
         "torch_ext.backend.runtime.cudagraph",
         "torch_ext.backend.warm_start",

@@ -179,6 +179,9 @@ class CompileConfig:
     # Inference graphs (compiled with grad off): projections reading one input (q/k/v, gate/up) run as one
     # GEMM; their parameters become views of one buffer per group (rewrite/merge_projections.py).
     merge_projections: bool = True
+    # Inference graphs: SDPA of one query token per sequence (decode) runs torch_ext's split-KV kernel
+    # (hops/decode_attention.py) instead of a prefill kernel (rewrite/decode_attention.py).
+    decode_attention: bool = True
     # tqdm progress bars while compiling several pieces (None: only on a terminal).
     progress_bar: bool | None = None
     # CUDA graphs (README: CUDA graphs): "none", "piecewise" (a graph per compiled piece, splitting
@@ -252,7 +255,7 @@ class CompileConfig:
         set_("debug_dump_dir", os.path.abspath(os.path.expanduser(dump)) if dump else None)
 
         for flag in ("dedup", "cudagraph_check_addresses", "guard_free_dispatch", "unfuse_output_addmm",
-                     "merge_projections"):
+                     "merge_projections", "decode_attention"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(flag, f"expected True or False, got {getattr(self, flag)!r}", f"Write {flag}=True")
         if self.warm_start is not None and not isinstance(self.warm_start, bool):
@@ -315,6 +318,7 @@ class CompileConfig:
             "inductor_options": {str(k): repr(v) for k, v in sorted(self.inductor_options.items())},
             "hop_split": self.hop_split,
             "merge_projections": self.merge_projections,
+            "decode_attention": self.decode_attention,
             # Pass identity also goes into every artifact key through PassManager.uuid().
             "post_grad_passes": [_qualified_name(p) for p in self.post_grad_passes],
         }

@@ -17,6 +17,7 @@ class BackendCounters:
     checkpoint_regions: int = 0
     # Groups of projections sharing an input merged into one GEMM (rewrite/merge_projections.py).
     merged_projection_groups: int = 0
+    decode_attention_calls: int = 0  # SDPA calls of one query token replaced by torch_ext::decode_attention
     inductor_compiles: int = 0  # standalone_compile calls
     cache_hits: int = 0  # variants loaded from the disk cache
     cache_misses: int = 0  # variants looked for on disk and not found

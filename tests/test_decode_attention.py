@@ -1,0 +1,84 @@
+"""torch_ext::decode_attention (hops/decode_attention.py) and the rewrite that puts it in place of a
+decode step's SDPA (backend/rewrite/decode_attention.py).
+
+On the CPU the op runs SDPA itself, so the model tests check the rewrite (which calls it replaces,
+that the compiled model still equals eager); the Triton kernels are checked against a float64
+reference under TRITON_INTERPRET=1 (a subprocess: the variable must be set before Triton loads),
+and on a GPU in tests/test_decode_attention_gpu.py."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_models as hf
+import torch_ext
+from torch_ext.backend import CompileConfig, counters
+from test_hf_decode import SDPA, decode_matches_eager, fx_pieces  # noqa: F401  (fixture)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+KERNEL_CHECK = r'''
+import sys, torch
+from torch_ext.hops.decode_attention import decode_attention_reference as ref, decode_attention_triton as tri
+torch.manual_seed(0)
+cases = [(1, 4, 4, 100, 64, None), (2, 8, 2, 300, 128, "bool"), (3, 4, 1, 64, 32, "float"),
+         (2, 4, 4, 513, 80, "bool_one"), (1, 2, 2, 17, 16, "float_heads"), (2, 2, 2, 9, 8, "none_masked")]
+worst = 0.0
+for b, h, hkv, L, d, kind in cases:
+    q = torch.randn(b, h, 1, d)
+    k = torch.randn(b, hkv, L + 5, d)[:, :, :L]  # a slice of a longer cache
+    v = torch.randn(b, L, hkv, d).transpose(1, 2)  # another layout
+    mask = {None: None, "bool": torch.rand(b, 1, 1, L) > 0.3, "float": torch.randn(b, 1, 1, L),
+            "bool_one": torch.rand(1, 1, 1, L) > 0.5, "float_heads": torch.randn(b, h, 1, L),
+            "none_masked": torch.zeros(b, 1, 1, L, dtype=torch.bool)}[kind]
+    out = torch.full((b, h, 1, d), float("nan"))
+    out = tri(q, k, v, mask, 0.7 / d ** 0.5)
+    m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    expected = ref(q.double(), k.double(), v.double(), m64, 0.7 / d ** 0.5)
+    assert not out.isnan().any(), kind
+    err = ((out.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+    assert err < 1e-5 or (kind == "none_masked" and out.abs().max() == 0), (b, h, hkv, L, d, kind, err)
+    worst = max(worst, err if kind != "none_masked" else 0.0)
+print("WORST", worst)
+'''
+
+
+def test_triton_kernels_equal_a_float64_reference_in_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, env=env, timeout=600)
+    if "interpret" in done.stderr.lower() and done.returncode and "WORST" not in done.stdout and \
+            "cannot" in done.stderr.lower():
+        pytest.skip(f"this Triton has no CPU interpreter: {done.stderr[-300:]}")
+    assert done.returncode == 0 and "WORST" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_hf_decode_steps_use_it_and_match_eager(fx_pieces, arch):  # noqa: F811
+    model = hf.build(arch).eval()
+    compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True), dynamic=False)
+    decode_matches_eager(model, compiled)
+    layers = model.config.num_hidden_layers
+    assert counters.decode_attention_calls == layers  # the decode graph's SDPA calls; the prefill is eager
+
+
+def test_off_switch_prefill_training_and_splitting_ops_keep_sdpa(fx_pieces):  # noqa: F811
+    model = hf.build("llama").eval()
+    for config in (CompileConfig(cache_dir=None, decode_attention=False),
+                   CompileConfig(cache_dir=None, splitting_ops=[SDPA])):
+        torch._dynamo.reset()
+        counters.reset()
+        decode_matches_eager(model, torch_ext.compile(model, config, dynamic=False))
+        assert counters.decode_attention_calls == 0
+    torch._dynamo.reset()
+    compiled = torch_ext.compile(model, CompileConfig(cache_dir=None))
+    ids = hf.token_ids(2, 6)
+    with torch.no_grad():  # a prefill: more than one query token
+        torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits)
+    out = compiled(input_ids=ids).logits  # grad on: training graphs keep SDPA
+    out.sum().backward()
+    assert counters.decode_attention_calls == 0

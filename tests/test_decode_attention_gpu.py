@@ -1,0 +1,46 @@
+"""torch_ext::decode_attention's Triton kernels on a GPU against a float64 reference, and HF Llama decode
+with them under full CUDA graphs (run through the device tool); skipped without CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_models as hf
+import torch_ext
+from torch_ext.backend import CompileConfig, counters
+from torch_ext.hops.decode_attention import decode_attention_reference, decode_attention_triton
+from test_hf_decode import decode_matches_eager
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("b,h,hkv,length,d,mask", [(1, 16, 16, 256, 128, "bool"), (32, 16, 16, 256, 128, "bool"),
+                                                   (8, 32, 8, 4096, 128, None), (3, 8, 2, 1000, 64, "float"),
+                                                   (2, 4, 4, 77, 96, "heads")])
+def test_kernels_equal_a_float64_reference(dtype, tol, b, h, hkv, length, d, mask):
+    g = torch.Generator(device="cuda").manual_seed(b * length + d)
+    q = torch.randn(b, h, 1, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(b, hkv, length + 3, d, device="cuda", dtype=dtype, generator=g)[:, :, :length]
+    v = torch.randn(b, length, hkv, d, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+    m = {None: None, "bool": torch.rand(b, 1, 1, length, device="cuda", generator=g) > 0.2,
+         "float": torch.randn(b, 1, 1, length, device="cuda", dtype=dtype, generator=g),
+         "heads": torch.rand(b, h, 1, length, device="cuda", generator=g) > 0.5}[mask]
+    out = decode_attention_triton(q, k, v, m, d ** -0.5)
+    m64 = m if m is None or m.dtype == torch.bool else m.double()
+    ref = decode_attention_reference(q.double(), k.double(), v.double(), m64, d ** -0.5)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < tol, err
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_hf_llama_decode_with_the_kernel_matches_eager(mode):
+    torch._dynamo.reset()
+    counters.reset()
+    model = hf.build("llama").cuda().eval()
+    compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True, cudagraph_mode=mode,
+                                                      progress_bar=False), dynamic=False)
+    with torch.device("cuda"):
+        decode_matches_eager(model, lambda **kw: compiled(**{k: v.cuda() if isinstance(v, torch.Tensor) else v
+                                                             for k, v in kw.items()}))
+    assert counters.decode_attention_calls == model.config.num_hidden_layers
