@@ -18,7 +18,7 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
   autotune    torch.compile(mode="max-autotune"), batch 1 only (--autotune: minutes of compile)
   ext         torch_ext.compile(model, CompileConfig(cudagraph_mode="full", guard_free_dispatch=True),
               dynamic=False): torch_ext's inference recipe, its other defaults (merged projections) on
-  ext-unmerged  the same with merge_projections=False
+  ext-plain   the same with merge_projections=False, decode_attention=False (torch_ext before issue 25)
 
 --serving: one dynamic-batch compile serving batches 1..32 (capture sizes 1, 2, 4, 8, 16, 32), one
 StaticCache per batch as generate makes: static input bytes, memory the graphs hold, ms per step at
@@ -70,6 +70,9 @@ def floor_bytes(setup, b: int) -> int:
     return weights + kv
 
 
+NO_DECODE_ATTENTION = False  # --no-decode-attention
+
+
 def make(name: str, model, root: str, serving: bool = False):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, name, "inductor")
     dynamic = None if serving else False
@@ -86,7 +89,8 @@ def make(name: str, model, root: str, serving: bool = False):
     config = torch_ext.CompileConfig(cudagraph_mode="full", guard_free_dispatch=not serving, progress_bar=False,
                                      cache_dir=os.path.join(root, name, "torch_ext"),
                                      cudagraph_capture_sizes=CAPTURE if serving else (),
-                                     merge_projections=name != "ext-unmerged")
+                                     merge_projections=name != "ext-plain",
+                                     decode_attention=name != "ext-plain" and not NO_DECODE_ATTENTION)
     return torch_ext.compile(model, config, dynamic=dynamic)
 
 
@@ -116,7 +120,7 @@ def kernels_per_step(step, steps: int = 4) -> tuple[float, float]:
 
 def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
-    columns = ["eager", "ro", "ro-freeze", "ext", "ext-unmerged"] + (["autotune"] if args.autotune else [])
+    columns = ["eager", "ro", "ro-freeze", "ext", "ext-plain"] + (["autotune"] if args.autotune else [])
     fns = {}
     for name in columns:
         fns[name] = make(name, setup.model, root)
@@ -200,8 +204,11 @@ def main() -> int:
     parser.add_argument("--serving", action="store_true", help="also the multi-batch serving table")
     parser.add_argument("--serving-only", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny config on the CPU (checks the script)")
+    parser.add_argument("--no-decode-attention", action="store_true", help="ext without torch_ext's decode kernel")
     parser.add_argument("--log", action="store_true", help="torch_ext's INFO log (what runs without graphs, and why)")
     args = parser.parse_args()
+    global NO_DECODE_ATTENTION
+    NO_DECODE_ATTENTION = args.no_decode_attention
     if args.log:
         logging.basicConfig(format="%(name)s: %(message)s")
         logging.getLogger("torch_ext").setLevel(logging.INFO)
