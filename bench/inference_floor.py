@@ -39,26 +39,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_decode as H  # noqa: E402  (puts the repository on sys.path)
+from decode import copy_bandwidth  # noqa: E402  (device-to-device, read + write bytes)
 from table import print_table  # noqa: E402
 
 CAPTURE = (1, 2, 4, 8, 16, 32)
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * nbytes / statistics.median(times)
 
 
 def floor_bytes(setup, b: int) -> int:

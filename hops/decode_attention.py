@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from torch_ext.hops.fused_add_rms_norm import has_triton
+
 __all__ = ["decode_attention", "decode_attention_reference", "decode_attention_triton"]
 
 _BLOCK_N = 64  # cache positions per tile
@@ -56,7 +58,7 @@ def _(q, k, v, mask, scale):
 
 def _triton_takes(q, k, v, mask) -> bool:
     d = q.shape[-1]
-    return (_has_triton() and q.shape[2] == 1 and d <= 256 and d == k.shape[-1] == v.shape[-1]
+    return (has_triton() and q.shape[2] == 1 and d <= 256 and d == k.shape[-1] == v.shape[-1]
             and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and k.dtype == v.dtype == q.dtype
             and q.shape[1] % k.shape[1] == 0 and (mask is None or mask.dim() == 4))
 
@@ -89,15 +91,6 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
     combine_kernel[(b * h,)](partial, out, out.stride(0), out.stride(1), h, d, splits,
                              BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
     return out
-
-
-@functools.cache
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @functools.cache

@@ -90,7 +90,7 @@ def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float)
         or weight.shape != (n_cols,)
         or not weight.is_contiguous()
         or n_cols > _MAX_TRITON_COLS
-        or not _has_triton()
+        or not has_triton()
     ):
         # Odd layouts: correctness over speed; still writes in place through copy_.
         return _reference_inplace(x, residual, weight, eps)
@@ -127,7 +127,7 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor | None:
 
 
 @functools.cache
-def _has_triton() -> bool:
+def has_triton() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:

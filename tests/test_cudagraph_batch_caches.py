@@ -11,21 +11,9 @@ import torch
 import cudagraph_models as cm
 from torch_ext.backend import CompileConfig, make_backend
 from torch_ext.backend.runtime.cudagraph.manager import cudagraph_stats
+from test_cudagraph import fresh_stats, fx_pieces  # noqa: F401  (fixtures: fresh stats, pieces as FX graphs)
 
 SIZES = (2, 4, 8)
-
-
-@pytest.fixture(autouse=True)
-def fresh_stats():
-    cudagraph_stats.reset()
-    yield
-
-
-@pytest.fixture
-def fx_pieces(monkeypatch):
-    from torch_ext.backend.compile.compiler import InductorCompiler
-
-    monkeypatch.setattr(InductorCompiler, "compile", lambda self, gm, example_inputs, variant, name="": gm)
 
 
 def backend(mode):
