@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from torch_ext import compat
 from torch_ext.backend.rewrite.merge_projections import ALIGNMENT, MergePlan
 
 log = logging.getLogger("torch_ext.backend")
@@ -82,6 +83,9 @@ class MergedParams:
                 self.slots.append(_Slots(group.bias_inputs, group.rows, ()))
         self.buffers: tuple[torch.Tensor, ...] = ()
         self._expected: tuple[tuple[int, int], ...] = ((plan.groups[0].weight_inputs[0], -1),)  # unbound
+        self._at: list[int] = [plan.groups[0].weight_inputs[0]]  # the per-call check, as two lists
+        self._ptrs: list = [None] * plan.original_inputs
+        self._ptrs[self._at[0]] = -1
         self._lock = threading.Lock()
         self._said = False
 
@@ -93,11 +97,10 @@ class MergedParams:
                 self._rebind(args)
 
     def __call__(self, *args):
-        for index, ptr in self._expected:
-            if args[index].data_ptr() != ptr:
-                with self._lock:
-                    self._rebind(args)
-                break
+        # One C++ call over every grouped parameter (the hot path: ~100 parameters in a 16-layer model).
+        if not compat.data_ptrs_equal(list(args), self._ptrs, self._at):
+            with self._lock:
+                self._rebind(args)
         return self.compiled(*args, *self.buffers)
 
     def __getattr__(self, name: str) -> Any:
@@ -131,6 +134,10 @@ class MergedParams:
                     piece.copy_(param.detach())
                     param.data = piece
         self._expected = tuple(pair for slot in self.slots for pair in slot.expected())
+        self._at = [i for i, _ in self._expected]
+        self._ptrs = [None] * self.plan.original_inputs  # by input position, as compat.data_ptrs_equal reads them
+        for i, ptr in self._expected:
+            self._ptrs[i] = ptr
 
 
 def _is_real(value) -> bool:
