@@ -10,11 +10,16 @@ def non_owning_storage(data_ptr: int, device: torch.device, nbytes: int):
     return torch._C._construct_storage_from_data_pointer(data_ptr, device, nbytes)
 
 
+_DATA_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
 def data_ptrs_equal(args: list, ptrs: list, indices: list) -> bool:
     """Whether args[i].data_ptr() == ptrs[i] for every i in indices (`ptrs` by position, like `args`,
     which must be a list): one C++ call, the check torch's cudagraph trees run on each replay
-    (private, present from 2.9.1 to 2.15)."""
-    return torch._C._tensors_data_ptrs_at_indices_equal(args, ptrs, indices)
+    (private; in 2.9.1, 2.11, 2.14.1 and 2.15, missing from the 2.13.0 CPU wheel: a Python loop there)."""
+    if _DATA_PTRS_EQUAL is not None:
+        return _DATA_PTRS_EQUAL(args, ptrs, indices)
+    return all(args[i].data_ptr() == ptrs[i] for i in indices)
 
 
 def rng_state_before_capture(device_index: int):
