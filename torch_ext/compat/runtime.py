@@ -13,6 +13,14 @@ def non_owning_storage(data_ptr: int, device: torch.device, nbytes: int):
 _DATA_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
+def address_check(expected: list, n: int) -> tuple[list, list]:
+    """(indices, ptrs) for data_ptrs_equal from (position, data_ptr) pairs over n arguments."""
+    ptrs: list = [None] * n
+    for i, ptr in expected:
+        ptrs[i] = ptr
+    return [i for i, _ in expected], ptrs
+
+
 def data_ptrs_equal(args: list, ptrs: list, indices: list) -> bool:
     """Whether args[i].data_ptr() == ptrs[i] for every i in indices (`ptrs` by position, like `args`,
     which must be a list): one C++ call, the check torch's cudagraph trees run on each replay

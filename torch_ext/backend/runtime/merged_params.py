@@ -83,9 +83,7 @@ class MergedParams:
                 self.slots.append(_Slots(group.bias_inputs, group.rows, ()))
         self.buffers: tuple[torch.Tensor, ...] = ()
         self._expected: tuple[tuple[int, int], ...] = ((plan.groups[0].weight_inputs[0], -1),)  # unbound
-        self._at: list[int] = [plan.groups[0].weight_inputs[0]]  # the per-call check, as two lists
-        self._ptrs: list = [None] * plan.original_inputs
-        self._ptrs[self._at[0]] = -1
+        self._at, self._ptrs = compat.address_check(self._expected, plan.original_inputs)  # the per-call check
         self._lock = threading.Lock()
         self._said = False
 
@@ -134,10 +132,7 @@ class MergedParams:
                     piece.copy_(param.detach())
                     param.data = piece
         self._expected = tuple(pair for slot in self.slots for pair in slot.expected())
-        self._at = [i for i, _ in self._expected]
-        self._ptrs = [None] * self.plan.original_inputs  # by input position, as compat.data_ptrs_equal reads them
-        for i, ptr in self._expected:
-            self._ptrs[i] = ptr
+        self._at, self._ptrs = compat.address_check(self._expected, self.plan.original_inputs)
 
 
 def _is_real(value) -> bool:

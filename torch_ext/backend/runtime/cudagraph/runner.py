@@ -276,7 +276,7 @@ class CudaGraphRunner:
             checked = [(i, entry.addresses[i]) for i, s in enumerate(self.inputs) if s.kind == TENSOR and s.role == STATIC]
             checked += [(i, s.value) for i, s in enumerate(self.inputs) if s.kind == CONST]
         return _Plan(entry, entry.graph, copies, copy_back, reused, pinned, checked, self._result(entry.outputs, n),
-                     _replayer(entry.graph), [i for i, _ in pinned], _by_position(pinned, len(self.inputs)))
+                     _replayer(entry.graph), *compat.address_check(pinned, len(self.inputs)))
 
     # -- capture ----------------------------------------------------------------------------------
 
@@ -376,14 +376,6 @@ class CudaGraphRunner:
                         "this call cannot replay it.")
             elif args[i].data_ptr() != expected:
                 raise self._moved_error(plan.entry, i, args[i], expected)
-
-
-def _by_position(pinned: list, n: int) -> list:
-    """Addresses by input position (None where unchecked): the C++ check indexes both lists alike."""
-    ptrs: list = [None] * n
-    for i, ptr in pinned:
-        ptrs[i] = ptr
-    return ptrs
 
 
 def _replayer(graph) -> Callable:
