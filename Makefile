@@ -6,6 +6,9 @@ VERSIONS := 2.15.0 2.14.1 2.13.0 2.11.0 2.9.1
 NEWEST := 2.15.0
 TEST_JOBS ?= 2
 PYTEST_ARGS ?=
+# A venv holds torch with its CUDA libraries (5-7 GB each, 30 GB for all five): DROP_VENVS=1 (CI) removes
+# each version's venv once its tests ran, so no more than TEST_JOBS of them are on disk at a time.
+DROP_VENVS ?=
 DEPS := expecttest pytest depyf tqdm numpy setuptools wheel transformers==5.17.0 import-linter
 
 venv = .venv-torch$(1)
@@ -25,12 +28,13 @@ lint: $(VENV)/.ready
 .PRECIOUS: .venv-torch%/.ready
 .venv-torch%/.ready: setup.py pyproject.toml
 	test -x $(call venv,$*)/bin/python || $(PY) -m venv $(call venv,$*)
-	PIP_CONSTRAINT=/dev/null $(call venv,$*)/bin/pip install -q torch==$* $(DEPS)
+	PIP_CONSTRAINT=/dev/null $(call venv,$*)/bin/pip install -q --no-cache-dir torch==$* $(DEPS)
 	$(call venv,$*)/bin/pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
 $(addprefix test-,$(VERSIONS)): test-%: .venv-torch%/.ready
-	$(call venv,$*)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(call venv,$*)/bin/python -m pytest -q $(PYTEST_ARGS); status=$$?; \
+	$(if $(DROP_VENVS),rm -rf $(call venv,$*);) exit $$status
 
 demo: $(VENV)/.ready
 	$(VENV)/bin/python -m torch_ext demo
