@@ -1,7 +1,7 @@
 """How far each way of running an unmodified HF Llama decode step is from the memory-bandwidth floor.
 
     python bench/inference_floor.py [--batches 1,8,32] [--rounds 3] [--iters 30] [--autotune]
-                                    [--serving] [--smoke]
+                                    [--serving] [--smoke] [--breakdown]
 
 Model and caches as bench/hf_decode.py (16 layers, hidden 2048, MLP 5632, bf16, a StaticCache per
 batch holding context - 1 tokens; one decode step per call). Floor = the bytes a step must read
@@ -19,6 +19,8 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
   ext         torch_ext.compile(model, CompileConfig(cudagraph_mode="full", guard_free_dispatch=True),
               dynamic=False): torch_ext's inference recipe, its other defaults (merged projections) on
   ext-plain   the same with merge_projections=False, decode_attention=False (torch_ext before issue 25)
+
+--breakdown: per batch, the kernels of a ro and an ext step by time (inside graphs too).
 
 --serving: one dynamic-batch compile serving batches 1..32 (capture sizes 1, 2, 4, 8, 16, 32), one
 StaticCache per batch as generate makes: static input bytes, memory the graphs hold, ms per step at
@@ -64,8 +66,11 @@ def make(name: str, model, root: str, serving: bool = False):
         return model
     if name == "ro":
         return torch.compile(model.forward, mode="reduce-overhead", fullgraph=True, dynamic=dynamic)
-    if name == "ro-freeze":  # freezing is read at compile time: the first calls run under compiling()
-        return torch.compile(model.forward, mode="reduce-overhead", fullgraph=True, dynamic=dynamic)
+    if name == "ro-freeze":
+        # reduce-overhead is options {"triton.cudagraphs": True}. Given as options with freezing, the backend
+        # compares unequal to ro's: with mode= and a patched config, Dynamo reused ro's compiled code.
+        return torch.compile(model.forward, options={"triton.cudagraphs": True, "freezing": True}, fullgraph=True,
+                             dynamic=dynamic)
     if name == "autotune":
         return torch.compile(model.forward, mode="max-autotune", fullgraph=True, dynamic=dynamic)
     import torch_ext
@@ -76,13 +81,6 @@ def make(name: str, model, root: str, serving: bool = False):
                                      merge_projections=name != "ext-plain",
                                      decode_attention=name != "ext-plain" and not NO_DECODE_ATTENTION)
     return torch_ext.compile(model, config, dynamic=dynamic)
-
-
-def compiling(name: str):
-    """The context of a column's compiling calls (Inductor's freezing for ro-freeze)."""
-    import contextlib
-
-    return torch._inductor.config.patch(freezing=True) if name == "ro-freeze" else contextlib.nullcontext()
 
 
 def kernels_per_step(step, steps: int = 4) -> tuple[float, float]:
@@ -102,16 +100,40 @@ def kernels_per_step(step, steps: int = 4) -> tuple[float, float]:
     return len(names) / steps, len(gemm) / steps
 
 
+def kernel_breakdown(name: str, b: int, step, steps: int = 4, top: int = 14) -> None:
+    """Where a step's GPU time goes: kernel time by kernel name (inside graphs too), and the gaps."""
+    from torch.autograd import DeviceType
+
+    if not torch.cuda.is_available():
+        return
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    per_name: dict[str, list[float]] = {}
+    for e in kernels:
+        per_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    total = sum(sum(v) for v in per_name.values()) / steps
+    rows = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
+    print(f"\n{name}, batch {b}: {len(kernels) / steps:.0f} kernels, {total:.0f} us of kernel time per step")
+    print_table(["kernel", "per step", "us per step", "us each"],
+                [[n[:90], f"{len(v) / steps:.0f}", f"{sum(v) / steps:.1f}", f"{sum(v) / len(v):.2f}"]
+                 for n, v in rows[:top]])
+
+
 def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
-    columns = ["eager", "ro", "ro-freeze", "ext", "ext-plain"] + (["autotune"] if args.autotune else [])
+    columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-plain"] if c in args.columns]
+    columns += ["autotune"] if args.autotune else []
     fns = {}
     for name in columns:
         fns[name] = make(name, setup.model, root)
         batches = [1] if name == "autotune" else args.batches
         for b in sorted(batches, reverse=True):
             setup.reset(b)
-            with torch.no_grad(), compiling(name):
+            with torch.no_grad():
                 setup.step(fns[name], b)
             setup.reset(b)
     errors = H.logits_errors(setup, {n: f for n, f in fns.items() if n != "eager"}, [1])
@@ -139,6 +161,13 @@ def step_table(args, setup, bandwidth: float) -> None:
             rows.append([b, name, f"{ms:.3f}", f"{ms / floor_ms:.2f}", f"{ratio:.2f}", f"{kernels:.0f}",
                          f"{gemms:.0f}", f"{errors.get(name, 0.0):.1e}" if b == 1 else ""])
         rows.append([b, "floor", f"{floor_ms:.3f}", "1.00", "", "", "", ""])
+    if args.breakdown:
+        for b in args.batches:
+            for name in [c for c in fns if c not in ("eager", "autotune") or b == 1 and c == "autotune"]:
+                def one(fn=fns[name], b=b):
+                    setup.step(fn, b)
+                    setup.reset(b)
+                kernel_breakdown(name, b, one)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke: timings say nothing)"
     print(f"\nDecode step, HF Llama {setup.model.config.num_hidden_layers}x{setup.model.config.hidden_size} bf16, "
           f"context {setup.context}, {device}, torch {torch.__version__}; copy bandwidth "
@@ -189,6 +218,8 @@ def main() -> int:
     parser.add_argument("--serving-only", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny config on the CPU (checks the script)")
     parser.add_argument("--no-decode-attention", action="store_true", help="ext without torch_ext's decode kernel")
+    parser.add_argument("--columns", default="eager,ro,ro-freeze,ext,ext-plain", help="ro is always run (x ro)")
+    parser.add_argument("--breakdown", action="store_true", help="kernel time by kernel, every compiled column")
     parser.add_argument("--log", action="store_true", help="torch_ext's INFO log (what runs without graphs, and why)")
     args = parser.parse_args()
     global NO_DECODE_ATTENTION
@@ -200,6 +231,7 @@ def main() -> int:
         print("bench/inference_floor.py needs a CUDA GPU (or --smoke for a CPU check of the script).")
         return 0
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.columns = set(args.columns.split(",")) | {"ro"}
     if args.smoke:
         args.batches, args.rounds, args.iters = [1, 2], 1, 2
     dynamo = torch._dynamo.config
