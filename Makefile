@@ -32,7 +32,10 @@ lint: $(VENV)/.ready
 	$(call venv,$*)/bin/pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
-$(addprefix test-,$(VERSIONS)): test-%: .venv-torch%/.ready
+# The venv is built inside the recipe, not as a prerequisite: make would build every version's venv
+# while the first tests run (a free job slot), and DROP_VENVS could not bound the disk they take.
+$(addprefix test-,$(VERSIONS)): test-%:
+	$(MAKE) --no-print-directory $(call venv,$*)/.ready
 	$(call venv,$*)/bin/python -m pytest -q $(PYTEST_ARGS); status=$$?; \
 	$(if $(DROP_VENVS),rm -rf $(call venv,$*);) exit $$status
 
