@@ -14,7 +14,8 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
   eager       the model as written
   ro          torch.compile(mode="reduce-overhead"), as transformers recommends
   ro-freeze   the same, compiled with Inductor's freezing on (weights folded as constants: assumes they
-              never change)
+              never change). Torch 2.11 then skips its CUDA graphs ("mutated inputs": the frozen
+              graph no longer knows the KV caches are static), so it runs without graphs.
   autotune    torch.compile(mode="max-autotune"), batch 1 only (--autotune: minutes of compile)
   ext         torch_ext.compile(model, CompileConfig(cudagraph_mode="full", guard_free_dispatch=True),
               dynamic=False): torch_ext's inference recipe, its other defaults (merged projections) on
