@@ -67,6 +67,19 @@ def test_hf_decode_steps_use_it_and_match_eager(fx_pieces, arch):  # noqa: F811
     assert counters.decode_attention_calls == layers  # the decode graph's SDPA calls; the prefill is eager
 
 
+def test_sdpa_under_autocast_is_left_alone():
+    """Autocast runs SDPA in bf16 on fp32 inputs; the op would compute (and return) fp32."""
+    def attend(q, k, v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 4, 10, 16), torch.randn(2, 4, 10, 16)
+    with torch.no_grad():
+        expected, actual = attend(q, k, v), torch.compile(attend, backend="torch_ext")(q, k, v)
+    assert counters.decode_attention_calls == 0 and actual.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(actual, expected)
+
+
 def test_off_switch_prefill_training_and_splitting_ops_keep_sdpa(fx_pieces):  # noqa: F811
     model = hf.build("llama").eval()
     for config in (CompileConfig(cache_dir=None, decode_attention=False),

@@ -198,6 +198,45 @@ def test_projections_not_sharing_an_input_are_left_alone():
     assert counters.merged_projection_groups == 0 and linear_calls(out.pieces[0]) == 4
 
 
+class MutatedBetween(nn.Module):
+    """Two projections of x with an in-place update of x between them: merged, the second would read x
+    before the update."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        x = x * 2
+        y = self.a(x)
+        x.add_(1.0)
+        return y + self.b(x)
+
+
+class AutocastBetween(nn.Module):
+    """One projection under autocast, one of the same input outside it (fp32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.a(x)
+        return y, self.b(x)
+
+
+@pytest.mark.parametrize("model_cls", [MutatedBetween, AutocastBetween])
+def test_no_group_spans_a_mutation_or_an_autocast_region(model_cls):
+    model = model_cls().eval()
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        expected = model(x.clone())
+        actual = torch.compile(model, backend="torch_ext")(x.clone())
+    assert counters.merged_projection_groups == 0
+    torch.testing.assert_close(actual, expected, atol=0, rtol=0)  # same dtypes, same ops
+
+
 def test_switch_off_leaves_all_alone():
     model = Projections().eval()
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()}

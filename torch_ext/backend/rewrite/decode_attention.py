@@ -4,7 +4,8 @@ A call is replaced where its example values say decode and SDPA's semantics carr
 q (B, H, 1, D) with the 1 static, k and v (B, Hkv, L, D) with H a multiple of Hkv (grouped heads
 with enable_gqa, or equal counts), no dropout, not causal (SDPA's causal mask is top-left aligned: a
 single query row would see key 0 only), a mask that is None or a 4-D bool / same-dtype float tensor,
-and an output laid out contiguously (what follows was traced on SDPA's strides). Calls the user made
+and an output laid out contiguously (what follows was traced on SDPA's strides) and of q's dtype
+(under autocast SDPA computes in the autocast dtype; the op is not on autocast's lists). Calls the user made
 splitting ops are left as they are. Inference graphs only (the op has no backward).
 """
 from __future__ import annotations
@@ -59,7 +60,7 @@ def decode_call(node: fx.Node) -> dict | None:
         return None
     if q.shape[1] % k.shape[1] or (q.shape[1] != k.shape[1] and not a["enable_gqa"]):
         return None
-    if not (q.dtype == k.dtype == v.dtype):
+    if not (q.dtype == k.dtype == v.dtype == out.dtype):  # autocast casts SDPA's inputs; the op is not cast
         return None
     if mask is not None:
         m = _value(mask)

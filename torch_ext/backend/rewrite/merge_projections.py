@@ -2,7 +2,10 @@
 
 A group is >= 2 `linear(x, w_i, b_i)` calls of one graph sharing the node `x`, whose weights (and
 biases, all or none) are parameters: placeholders Dynamo marks static, each used by that one linear
-alone, of one dtype and device, contiguous, with the same in_features. The group becomes
+alone, of one dtype and device, contiguous, with the same in_features; x and the output of that dtype
+too (autocast would have the merged call compute in another), and no node between the calls that may
+mutate a tensor or change autocast / grad mode (the merged call runs where the first one was: a later
+one would read x before an in-place update of it, or in another autocast region). The group becomes
 
     y = linear(x, merged_weight, merged_bias); y_0, y_1, ... = torch.split(y, rows, dim=-1)
 
@@ -92,18 +95,50 @@ def _is_param(node, users_ok) -> bool:
     return len(node.users) == 1 and users_ok(next(iter(node.users)))
 
 
+_STATE_MODULES = ("torch.amp", "torch.autograd.grad_mode", "torch.autocast", "torch._C._autograd")
+_IN_PLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                       operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand,
+                       operator.ior, operator.ixor, operator.ilshift, operator.irshift)
+
+
+def _is_barrier(node: fx.Node) -> bool:
+    """A node that may mutate a tensor or change global state (autocast, grad mode): no group spans it."""
+    if node.op == "call_module":
+        return True
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__") or node.target == "__setitem__"
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.HigherOrderOperator):  # a body may do anything
+        return True
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return any(getattr(target, o)._schema.is_mutable for o in target.overloads())
+    if node.kwargs.get("inplace") is True or "out" in node.kwargs or any(target is t for t in _IN_PLACE_OPERATORS):
+        return True
+    name = getattr(target, "__name__", "")
+    module = getattr(target, "__module__", None) or ""
+    return (name.endswith("_") and not name.endswith("__")  # torch.relu_, Tensor.add_
+            or name.startswith(("_set_", "_enter_", "_exit_")) or module.startswith(_STATE_MODULES))
+
+
 def _candidate(node: fx.Node):
     """The group key and (weight, bias) of a linear that may be merged, else None."""
     parts = _linear_args(node)
     if parts is None:
         return None
     x, weight, bias = parts
+    x_value, out = _value(x), _value(node)
     uses_once = lambda param: lambda user: user is node and [x, weight, bias].count(param) == 1  # noqa: E731
     if not isinstance(x, fx.Node) or not _is_param(weight, uses_once(weight)):
         return None
     w = _value(weight)
     if w.dim() != 2 or any(isinstance(s, torch.SymInt) for s in w.shape):
         return None
+    if not (isinstance(x_value, torch.Tensor) and isinstance(out, torch.Tensor) and x_value.dtype == out.dtype == w.dtype):
+        return None  # autocast (or a mixed-dtype call): the merged call would be cast otherwise
     if bias is not None:
         b = _value(bias) if _is_param(bias, uses_once(bias)) else None
         if b is None or b.dim() != 1 or b.shape[0] != w.shape[0] or b.dtype != w.dtype or b.device != w.device:
@@ -123,12 +158,16 @@ def _aligned(rows: list[int], row_bytes: int) -> bool:
 def find_groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
     """The linear nodes of each mergeable group, in graph order."""
     by_key: dict[tuple, list[fx.Node]] = defaultdict(list)
+    segment = 0  # barriers seen so far: linears of one group lie between the same two barriers
     for node in gm.graph.nodes:
+        if _is_barrier(node):
+            segment += 1
+            continue
         found = _candidate(node)
         if found is not None:
-            by_key[found[0]].append(node)
+            by_key[(segment, *found[0])].append(node)
     groups = []
-    for (_, has_bias, dtype, _, in_features), nodes in by_key.items():
+    for (_, _, has_bias, dtype, _, in_features), nodes in by_key.items():
         if len(nodes) < 2:
             continue
         rows = [_value(_linear_args(n)[1]).shape[0] for n in nodes]
