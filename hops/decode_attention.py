@@ -9,7 +9,8 @@ reading the cache at memory bandwidth (split-KV), with SDPA's semantics.
 Why: a decode step's SDPA runs a prefill kernel for one query row, whose B*H programs leave most of
 the GPU idle while each walks the whole cache (H100, HF Llama 16x2048, batch 1: 130 us for ~16 us of
 KV bytes). Here L is split across programs (grid B*H x splits): each reduces its chunk with an online
-softmax into a float32 partial, and a second launch combines the partials. The rewrite that puts this
+softmax into a float32 partial, and a second launch combines the partials (none where B*H alone fills
+the GPU: one split, whose program writes the output). The rewrite that puts this
 op in place of SDPA is torch_ext/backend/rewrite/decode_attention.py.
 
 CUDA runs the Triton kernels (head dims up to 256); every other device, and shapes the kernels do not
@@ -74,7 +75,8 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
     splits = max(1, min(tiles, triton.cdiv(_TARGET_PROGRAMS, b * h)))
     per_split = triton.cdiv(tiles, splits) * _BLOCK_N
     splits = triton.cdiv(length, per_split)
-    partial = torch.empty((b * h, splits, d + 2), dtype=torch.float32, device=q.device)
+    # One split: no partials (the kernel writes `out`; the argument is unused).
+    partial = torch.empty((b * h, splits, d + 2), dtype=torch.float32, device=q.device) if splits > 1 else out
     if mask is not None:
         mask = mask.expand(b, h, 1, length)  # stride 0 where it broadcasts: read once per row
         ms, is_bool = mask.stride(), mask.dtype == torch.bool
@@ -82,14 +84,16 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
         ms, is_bool = (0, 0, 0, 0), False
     partial_kernel, combine_kernel = _kernels()
     block_d = triton.next_power_of_2(d)
+    direct = splits == 1  # one split per row (b * h fills the GPU): the partial kernel writes the output
     partial_kernel[(b * h, splits)](
-        q, k, v, mask if mask is not None else q, partial, scale * 1.4426950408889634,  # exp2 of log2(e)-scaled scores
+        q, k, v, mask if mask is not None else q, partial, out, scale * 1.4426950408889634,  # exp2 of log2(e)-scaled scores
         q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-        v.stride(0), v.stride(1), v.stride(2), v.stride(3), ms[0], ms[1], ms[3],
+        v.stride(0), v.stride(1), v.stride(2), v.stride(3), ms[0], ms[1], ms[3], out.stride(0), out.stride(1),
         h, h // hkv, length, per_split, d, splits,
-        HAS_MASK=mask is not None, BOOL_MASK=is_bool, BLOCK_N=_BLOCK_N, BLOCK_D=block_d, num_warps=4)
-    combine_kernel[(b * h,)](partial, out, out.stride(0), out.stride(1), h, d, splits,
-                             BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+        HAS_MASK=mask is not None, BOOL_MASK=is_bool, DIRECT=direct, BLOCK_N=_BLOCK_N, BLOCK_D=block_d, num_warps=4)
+    if not direct:
+        combine_kernel[(b * h,)](partial, out, out.stride(0), out.stride(1), h, d, splits,
+                                 BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
     return out
 
 
@@ -100,10 +104,10 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def partial_kernel(q, k, v, mask, partial, scale_log2,
-                       sq_b, sq_h, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, sm_b, sm_h, sm_n,
+    def partial_kernel(q, k, v, mask, partial, out, scale_log2,
+                       sq_b, sq_h, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, sm_b, sm_h, sm_n, so_b, so_h,
                        H, GROUPS, L, PER_SPLIT, D, SPLITS,
-                       HAS_MASK: tl.constexpr, BOOL_MASK: tl.constexpr, BLOCK_N: tl.constexpr,
+                       HAS_MASK: tl.constexpr, BOOL_MASK: tl.constexpr, DIRECT: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr):
         row = tl.program_id(0)  # b * H + h
         split = tl.program_id(1)
@@ -144,10 +148,15 @@ def _kernels():
         w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_all))
         l_all = tl.sum(l * w, axis=0)
         acc_all = tl.sum(acc * w[:, None], axis=0)
-        base = partial + (row.to(tl.int64) * SPLITS + split) * (D + 2)
-        tl.store(base + d, acc_all, mask=d_ok)
-        tl.store(base + D, m_all)
-        tl.store(base + D + 1, l_all)
+        if DIRECT:  # the only split: normalize here, as the combine kernel would (zeros where all masked)
+            result = tl.where(l_all > 0, acc_all / tl.where(l_all > 0, l_all, 1.0), 0.0)
+            o = out + bi * so_b + hi.to(tl.int64) * so_h
+            tl.store(o + d, result.to(out.dtype.element_ty), mask=d_ok)
+        else:
+            base = partial + (row.to(tl.int64) * SPLITS + split) * (D + 2)
+            tl.store(base + d, acc_all, mask=d_ok)
+            tl.store(base + D, m_all)
+            tl.store(base + D + 1, l_all)
 
     @triton.jit
     def combine_kernel(partial, out, so_b, so_h, H, D, SPLITS, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):

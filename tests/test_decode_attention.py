@@ -26,7 +26,8 @@ import sys, torch
 from torch_ext.hops.decode_attention import decode_attention_reference as ref, decode_attention_triton as tri
 torch.manual_seed(0)
 cases = [(1, 4, 4, 100, 64, None), (2, 8, 2, 300, 128, "bool"), (3, 4, 1, 64, 32, "float"),
-         (2, 4, 4, 513, 80, "bool_one"), (1, 2, 2, 17, 16, "float_heads"), (2, 2, 2, 9, 8, "none_masked")]
+         (2, 4, 4, 513, 80, "bool_one"), (1, 2, 2, 17, 16, "float_heads"), (2, 2, 2, 9, 8, "none_masked"),
+         (3, 96, 8, 70, 16, "bool"), (2, 136, 136, 9, 8, "none_masked")]  # b * h >= 264: one split, no combine
 worst = 0.0
 for b, h, hkv, L, d, kind in cases:
     q = torch.randn(b, h, 1, d)
