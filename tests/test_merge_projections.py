@@ -237,6 +237,27 @@ def test_no_group_spans_a_mutation_or_an_autocast_region(model_cls):
     torch.testing.assert_close(actual, expected, atol=0, rtol=0)  # same dtypes, same ops
 
 
+class ReturnsProjections(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.a(x).unsqueeze(0), self.b(x)
+
+
+def test_projections_leaving_the_graph_are_left_alone():
+    """Merged, the caller (or the code after a graph break) would get slices: `.view` would fail."""
+    model = ReturnsProjections().eval()
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        a, b = torch.compile(model, backend="torch_ext")(x)
+        expected = model(x)
+    assert counters.merged_projection_groups == 0
+    assert a.is_contiguous() and b.is_contiguous() and b.view(-1).shape == (32,)
+    torch.testing.assert_close((a, b), expected)
+
+
 def test_switch_off_leaves_all_alone():
     model = Projections().eval()
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()}

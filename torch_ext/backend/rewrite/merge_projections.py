@@ -14,6 +14,9 @@ static like parameters (CUDA graphs read them in place). The caller passes the b
 the concatenated parameters (runtime/merged_params.py) after the original arguments; the original
 weight placeholders stay (Dynamo still passes them) but nothing reads them.
 
+A group is left alone where a projection's output, or a view of it, is an output of the graph: the
+caller (the user, or the code after a graph break) would get a slice, strided unlike eager's result.
+
 Each slice of the merged weight must start 16 bytes into the buffer (Inductor assumes parameters
 aligned, and the parameters become views of the buffer): a group whose rows would break that is
 left alone.
@@ -251,7 +254,7 @@ _VIEW_FUNCTIONS = {operator.getitem, torch.transpose, torch.permute, torch.resha
 def _replay_views(nodes: list[fx.Node], parts, fake_mode) -> dict[fx.Node, object] | None:
     """Replay the view-like ops that use each projection's output (and their view-like users) on
     the slice that replaces it: their new example values, or None where one fails (a `view` that
-    merges the sliced dim with another)."""
+    merges the sliced dim with another) or where one of them is a graph output."""
     values: dict[fx.Node, object] = dict(zip(nodes, parts))
     pending = [u for n in nodes for u in n.users]
     seen = set()
@@ -261,6 +264,10 @@ def _replay_views(nodes: list[fx.Node], parts, fake_mode) -> dict[fx.Node, objec
         if node in seen:
             continue
         seen.add(node)
+        if node.op == "output":  # the caller would get a slice, with other strides than eager's
+            log.debug("torch_ext: projections %s not merged: an output (or a view of it) leaves the graph",
+                      [n.name for n in nodes])
+            return None
         if node.op == "call_method" and node.target in _VIEW_METHODS:
             run = lambda *a, **k: getattr(a[0], node.target)(*a[1:], **k)  # noqa: E731
         elif node.op == "call_function" and node.target in _VIEW_FUNCTIONS:
