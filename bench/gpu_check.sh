@@ -10,6 +10,7 @@
 #   bash bench/gpu_check.sh hf      python bench/hf_decode.py (extra args go to it)
 #   bash bench/gpu_check.sh hfgen   python bench/hf_generate.py (cold/warm process ready time; extra args go to it)
 #   bash bench/gpu_check.sh hfprofile  python bench/hf_decode_profile.py (extra args go to it)
+#   bash bench/gpu_check.sh floor   python bench/inference_floor.py (extra args go to it)
 #   bash bench/gpu_check.sh train   python bench/checkpoint_training.py --device cuda (extra args go to it)
 # Logs go to $OUT (or /tmp/torch_ext_gpu).
 set -o pipefail
@@ -25,8 +26,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,n
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 what=${1:-all}; shift
 gpu_tests() {
-  timeout "$1" python3 -m pytest -q -s -p no:cacheprovider -p no:logging -m gpu tests/test_cudagraph_gpu.py \
-    tests/test_concurrency_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+  timeout "$1" python3 -m pytest -q -s -p no:cacheprovider -p no:logging -m gpu tests/*_gpu.py \
+    2>&1 | tee "$OUT/gpu_tests.log"
 }
 cpu_suite() {  # the CPU suite on this machine's torch (2.11): 14 workers
   timeout "$1" python3 -m pytest -v -p no:cacheprovider -n 14 -rf --tb=short -m "not slow and not gpu" tests >"$OUT/cpu_suite.log" 2>&1
@@ -38,6 +39,8 @@ case "$what" in
   tp) timeout "${TP_TIMEOUT:-420}" python3 bench/tp_decode.py "$@" 2>&1 | tee "$OUT/tp_decode.log" ;;
   hf) timeout "${HF_TIMEOUT:-420}" python3 bench/hf_decode.py "$@" 2>&1 | tee "$OUT/hf_decode.log" ;;
   train) timeout "${TRAIN_TIMEOUT:-560}" python3 bench/checkpoint_training.py --device cuda "$@" 2>&1 | tee "$OUT/checkpoint_training.log" ;;
+  floor) timeout "${FLOOR_TIMEOUT:-560}" python3 bench/inference_floor.py "$@" 2>&1 | grep -v "GuardFree\|_guarded_call" \
+           | tee "$OUT/inference_floor.log" ;;
   hfgen) timeout "${HF_TIMEOUT:-540}" python3 bench/hf_generate.py "$@" 2>&1 | tee "$OUT/hf_generate.log" ;;
   hfprofile) timeout "${HF_TIMEOUT:-420}" python3 bench/hf_decode_profile.py "$@" 2>&1 | tee "$OUT/hf_profile.log" ;;
   profile) timeout 250 python3 bench/decode_profile.py 2>&1 | tee "$OUT/profile.log"

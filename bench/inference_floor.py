@@ -101,7 +101,7 @@ def kernels_per_step(step, steps: int = 4) -> tuple[float, float]:
     return len(names) / steps, len(gemm) / steps
 
 
-def kernel_breakdown(name: str, b: int, step, steps: int = 4, top: int = 14) -> None:
+def kernel_breakdown(name: str, b: int, step, steps: int = 4, top: int = 40) -> None:
     """Where a step's GPU time goes: kernel time by kernel name (inside graphs too), and the gaps."""
     from torch.autograd import DeviceType
 
