@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # A venv holds torch with its CUDA libraries (5-7 GB each, 30 GB for all five): DROP_VENVS=1 (CI) removes
 # each version's venv once its tests ran, so no more than TEST_JOBS of them are on disk at a time.
 DROP_VENVS ?=
-DEPS := expecttest pytest depyf tqdm numpy setuptools wheel transformers==5.17.0 import-linter
+DEPS := expecttest pytest pytest-xdist depyf tqdm numpy setuptools wheel transformers==5.17.0 import-linter
 
 venv = .venv-torch$(1)
 VENV := $(call venv,$(NEWEST))
