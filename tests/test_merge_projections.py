@@ -199,17 +199,25 @@ def test_projections_not_sharing_an_input_are_left_alone():
 
 
 class MutatedBetween(nn.Module):
-    """Two projections of x with an in-place update of x between them: merged, the second would read x
-    before the update."""
+    """Two projections of x with an in-place update of x between them (add_, +=, x[...] =, a view's
+    relu_): merged, the second would read x before the update."""
 
-    def __init__(self):
+    def __init__(self, how: str = "add_"):
         super().__init__()
         self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.how = how
 
     def forward(self, x):
         x = x * 2
         y = self.a(x)
-        x.add_(1.0)
+        if self.how == "add_":
+            x.add_(1.0)
+        elif self.how == "iadd":
+            x += 1.0
+        elif self.how == "setitem":
+            x[:, :4] = 0.0
+        else:
+            x[1:].relu_()
         return y + self.b(x)
 
 
@@ -226,9 +234,11 @@ class AutocastBetween(nn.Module):
         return y, self.b(x)
 
 
-@pytest.mark.parametrize("model_cls", [MutatedBetween, AutocastBetween])
-def test_no_group_spans_a_mutation_or_an_autocast_region(model_cls):
-    model = model_cls().eval()
+@pytest.mark.parametrize("make", [lambda: MutatedBetween("add_"), lambda: MutatedBetween("iadd"),
+                                  lambda: MutatedBetween("setitem"), lambda: MutatedBetween("view_relu_"),
+                                  AutocastBetween], ids=["add_", "iadd", "setitem", "view_relu_", "autocast"])
+def test_no_group_spans_a_mutation_or_an_autocast_region(make):
+    model = make().eval()
     x = torch.randn(4, 16)
     with torch.no_grad():
         expected = model(x.clone())

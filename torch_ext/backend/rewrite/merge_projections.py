@@ -103,13 +103,15 @@ _IN_PLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.
                        operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand,
                        operator.ior, operator.ixor, operator.ilshift, operator.irshift)
 
+_IN_PLACE_DUNDERS = {f"__{op.__name__.strip('_')}__" for op in _IN_PLACE_OPERATORS}  # __setitem__, __iadd__, ...
+
 
 def _is_barrier(node: fx.Node) -> bool:
     """A node that may mutate a tensor or change global state (autocast, grad mode): no group spans it."""
     if node.op == "call_module":
         return True
     if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.endswith("__") or node.target == "__setitem__"
+        return _mutates_by_name(node.target)
     if node.op != "call_function":
         return False
     target = node.target
@@ -123,8 +125,12 @@ def _is_barrier(node: fx.Node) -> bool:
         return True
     name = getattr(target, "__name__", "")
     module = getattr(target, "__module__", None) or ""
-    return (name.endswith("_") and not name.endswith("__")  # torch.relu_, Tensor.add_
-            or name.startswith(("_set_", "_enter_", "_exit_")) or module.startswith(_STATE_MODULES))
+    return _mutates_by_name(name) or name.startswith(("_set_", "_enter_", "_exit_")) or module.startswith(_STATE_MODULES)
+
+
+def _mutates_by_name(name: str) -> bool:
+    """Tensor.add_, torch.relu_, Tensor.__iadd__, Tensor.__setitem__: torch's in-place naming."""
+    return name.endswith("_") and not name.endswith("__") or name in _IN_PLACE_DUNDERS
 
 
 def _candidate(node: fx.Node):
