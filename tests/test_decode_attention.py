@@ -17,6 +17,7 @@ import torch
 import hf_models as hf
 import torch_ext
 from torch_ext.backend import CompileConfig, counters
+from torch_ext.testing import capture_graphs
 from test_hf_decode import SDPA, decode_matches_eager, fx_pieces  # noqa: F401  (fixture)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -66,6 +67,43 @@ def test_hf_decode_steps_use_it_and_match_eager(fx_pieces, arch):  # noqa: F811
     decode_matches_eager(model, compiled)
     layers = model.config.num_hidden_layers
     assert counters.decode_attention_calls == layers  # the decode graph's SDPA calls; the prefill is eager
+
+
+class RepeatedKV(torch.nn.Module):
+    """Decode attention over k/v of 2 heads repeated to 4, in one of four ways."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def forward(self, q, k, v, mask):
+        if self.how == "hf":  # transformers' repeat_kv: each kv head twice in a row
+            k = k[:, :, None, :, :].expand(2, 2, 2, 10, 16).reshape(2, 4, 10, 16)
+            v = v[:, :, None, :, :].expand(2, 2, 2, 10, 16).reshape(2, 4, 10, 16)
+        elif self.how == "repeat_interleave":
+            k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        elif self.how == "repeat":  # tiled: head h reads kv head h % 2, not h // 2
+            k, v = k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1)
+        else:  # tiled through expand at dim 1
+            k = k[:, None].expand(2, 2, 2, 10, 16).reshape(2, 4, 10, 16)
+            v = v[:, None].expand(2, 2, 2, 10, 16).reshape(2, 4, 10, 16)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask) * 2
+
+
+@pytest.mark.parametrize("how,kv_heads", [("hf", 2), ("repeat_interleave", 2), ("repeat", 4), ("tiled_expand", 4)])
+def test_repeated_kv_is_passed_unrepeated_only_where_heads_repeat_in_a_row(how, kv_heads):
+    """HF repeats k/v for grouped heads whenever a mask is given: a copy of the whole cache per layer.
+    The op takes the unrepeated tensors; tiled repeats (another head mapping) stay as they are."""
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 10, 16), torch.randn(2, 2, 10, 16)
+    mask = torch.rand(2, 1, 1, 10) > 0.3
+    model = RepeatedKV(how)
+    with torch.no_grad():
+        out = capture_graphs(model, q, k, v, mask, backend_config=CompileConfig(cache_dir=None))
+        expected = model(q, k, v, mask)
+    torch.testing.assert_close(out.outputs, expected)
+    (call,) = [n for gm in out.pieces[0].values() for n in gm.graph.nodes
+               if n.target is torch.ops.torch_ext.decode_attention.default]
+    assert [a.meta.get("example_value", a.meta.get("val")).shape[1] for a in call.args[1:3]] == [kv_heads, kv_heads]
 
 
 def test_sdpa_under_autocast_is_left_alone():

@@ -7,15 +7,22 @@ single query row would see key 0 only), a mask that is None or a 4-D bool / same
 and an output laid out contiguously (what follows was traced on SDPA's strides) and of q's dtype
 (under autocast SDPA computes in the autocast dtype; the op is not on autocast's lists). Calls the user made
 splitting ops are left as they are. Inference graphs only (the op has no backward).
+
+K and v repeated along heads for grouped-query attention, as HF's `repeat_kv` does whenever a mask is
+given (`x[:, :, None].expand(B, Hkv, n, L, D).reshape(B, Hkv * n, L, D)`) or as
+`repeat_interleave(x, n, dim=1)`, are passed unrepeated: the op maps query head h to kv head h // n
+itself, and the copy of the whole cache (n times over, every layer, every step) is left dead.
 """
 from __future__ import annotations
 
 import logging
 import math
+import operator
 from typing import Callable
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import torch_ext.hops.decode_attention  # noqa: F401  (registers the op: also where a saved graph calling it loads)
 
@@ -41,6 +48,59 @@ def _static(*sizes) -> bool:
     return all(isinstance(s, int) for s in sizes)
 
 
+def _same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))  # no guards
+
+
+def _only_new_dim_2(index) -> bool:
+    """A getitem index that inserts a dim at 2 and selects everything else: x[:, :, None] and the like."""
+    if not isinstance(index, tuple) or index.count(None) != 1 or index.index(None) != 2:
+        return False
+    return all(i is None or i is Ellipsis or i == slice(None) for i in index) and Ellipsis not in index[:2]
+
+
+def unrepeated(node) -> fx.Node | None:
+    """The (B, Hkv, L, D) tensor that node repeats along heads, each head n times in a row (HF's
+    repeat_kv, or repeat_interleave on dim 1), else None. Shapes are checked on the example values."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_method", "call_function"):
+        return None
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    out = _value(node)
+    if not isinstance(out, torch.Tensor) or out.dim() != 4:
+        return None
+    if name == "repeat_interleave":
+        src, repeats = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        if dim not in (1, -3) or not isinstance(repeats, int) or set(node.kwargs) - {"repeats", "dim"}:
+            return None
+        s = _value(src)
+        ok = isinstance(s, torch.Tensor) and _same_shape(out.shape, (s.shape[0], s.shape[1] * repeats, *s.shape[2:]))
+        return src if ok else None
+    if name != "reshape" or node.op != "call_method" or len(node.args) < 2:
+        return None
+    expand = node.args[0]
+    if not (isinstance(expand, fx.Node) and expand.op == "call_method" and expand.target == "expand"):
+        return None
+    inserted = expand.args[0]
+    if not isinstance(inserted, fx.Node) or inserted.op not in ("call_function", "call_method"):
+        return None
+    if inserted.op == "call_function" and inserted.target is operator.getitem:
+        if not _only_new_dim_2(inserted.args[1]):
+            return None
+    elif not (inserted.op == "call_method" and inserted.target == "unsqueeze" and inserted.args[1:] in ((2,), (-3,))):
+        return None
+    src = inserted.args[0]
+    s, u, e = _value(src), _value(inserted), _value(expand)
+    if not all(isinstance(t, torch.Tensor) for t in (s, u, e)) or s.dim() != 4 or e.dim() != 5:
+        return None
+    b, hkv, length, d = s.shape
+    n = e.shape[2]
+    if not (_same_shape(u.shape, (b, hkv, 1, length, d)) and _same_shape(e.shape, (b, hkv, n, length, d))
+            and _same_shape(out.shape, (b, hkv * n, length, d))):
+        return None
+    return src
+
+
 def decode_call(node: fx.Node) -> dict | None:
     """The op's arguments (q, k, v, mask, scale) for an SDPA call that is a decode step, else None."""
     if node.op != "call_function" or node.target not in SDPA_TARGETS:
@@ -48,6 +108,9 @@ def decode_call(node: fx.Node) -> dict | None:
     a = _bound(node)
     if a is None:
         return None
+    k_src, v_src = unrepeated(a["key"]), unrepeated(a["value"])
+    if k_src is not None and v_src is not None and _same_shape(_value(k_src).shape[1:2], _value(v_src).shape[1:2]):
+        a = dict(a, key=k_src, value=v_src, enable_gqa=True)  # the op repeats heads by itself
     q, k, v, out = (_value(a["query"]), _value(a["key"]), _value(a["value"]), _value(node))
     mask = a["attn_mask"]
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v, out)):
