@@ -74,7 +74,7 @@ COMPILED = COLUMNS[1:]
 SDPA = "aten::scaled_dot_product_attention"
 
 
-def llama_config(smoke: bool):
+def llama_config(smoke: bool, kv_heads: int | None = None):
     from transformers import LlamaConfig
 
     if smoke:
@@ -82,7 +82,7 @@ def llama_config(smoke: bool):
                            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
                            attn_implementation="sdpa")
     return LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-                       num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096,
+                       num_attention_heads=16, num_key_value_heads=kv_heads or 16, max_position_embeddings=4096,
                        attn_implementation="sdpa")
 
 
@@ -94,8 +94,8 @@ class Setup:
 
         self.device = "cpu" if args.smoke else "cuda"
         dtype = torch.float32 if args.smoke else torch.bfloat16
-        self.context = 16 if args.smoke else 256
-        config = llama_config(args.smoke)
+        self.context = 16 if args.smoke else getattr(args, "context", None) or 256
+        config = llama_config(args.smoke, getattr(args, "kv_heads", None))
         torch.manual_seed(0)
         with torch.device(self.device):  # initialise the weights where they live (fast on a GPU)
             self.model = LlamaForCausalLM(config).to(dtype).eval()

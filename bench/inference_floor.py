@@ -1,7 +1,7 @@
 """How far each way of running an unmodified HF Llama decode step is from the memory-bandwidth floor.
 
     python bench/inference_floor.py [--batches 1,8,32] [--rounds 3] [--iters 30] [--autotune]
-                                    [--serving] [--smoke] [--breakdown]
+                                    [--serving] [--smoke] [--breakdown] [--kv-heads 4] [--context 2048]
 
 Model and caches as bench/hf_decode.py (16 layers, hidden 2048, MLP 5632, bf16, a StaticCache per
 batch holding context - 1 tokens; one decode step per call). Floor = the bytes a step must read
@@ -170,9 +170,11 @@ def step_table(args, setup, bandwidth: float) -> None:
                     setup.reset(b)
                 kernel_breakdown(name, b, one)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke: timings say nothing)"
-    print(f"\nDecode step, HF Llama {setup.model.config.num_hidden_layers}x{setup.model.config.hidden_size} bf16, "
-          f"context {setup.context}, {device}, torch {torch.__version__}; copy bandwidth "
-          f"{bandwidth / 1e12:.2f} TB/s; {args.rounds} interleaved rounds of {args.iters} steps")
+    config = setup.model.config
+    print(f"\nDecode step, HF Llama {config.num_hidden_layers}x{config.hidden_size} bf16, "
+          f"{config.num_attention_heads} heads / {config.num_key_value_heads} kv heads, context {setup.context}, "
+          f"{device}, torch {torch.__version__}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
+          f"{args.rounds} interleaved rounds of {args.iters} steps")
     print_table(["batch", "column", "GPU ms", "x floor", "x ro", "kernels", "GEMMs", "logits err b=1"], rows)
 
 
@@ -219,6 +221,8 @@ def main() -> int:
     parser.add_argument("--serving-only", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny config on the CPU (checks the script)")
     parser.add_argument("--no-decode-attention", action="store_true", help="ext without torch_ext's decode kernel")
+    parser.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention: 16 heads share these")
+    parser.add_argument("--context", type=int, default=None, help="cache length (default 256)")
     parser.add_argument("--columns", default="eager,ro,ro-freeze,ext,ext-plain", help="ro is always run (x ro)")
     parser.add_argument("--breakdown", action="store_true", help="kernel time by kernel, every compiled column")
     parser.add_argument("--log", action="store_true", help="torch_ext's INFO log (what runs without graphs, and why)")
@@ -238,7 +242,8 @@ def main() -> int:
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = dynamo.accumulated_recompile_limit = 64
     batches = sorted(set(args.batches) | (set(CAPTURE) if args.serving or args.serving_only else set()))
-    setup = H.Setup(argparse.Namespace(batches=batches, smoke=args.smoke))
+    setup = H.Setup(argparse.Namespace(batches=batches, smoke=args.smoke, kv_heads=args.kv_heads,
+                                       context=args.context))
     if not args.serving_only:
         step_table(args, setup, copy_bandwidth() if not args.smoke else 1e10)
     if args.serving or args.serving_only:
