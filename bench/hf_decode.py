@@ -79,7 +79,7 @@ def llama_config(smoke: bool, kv_heads: int | None = None):
 
     if smoke:
         return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                           num_attention_heads=4, num_key_value_heads=kv_heads or 4, max_position_embeddings=64,
                            attn_implementation="sdpa")
     return LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                        num_attention_heads=16, num_key_value_heads=kv_heads or 16, max_position_embeddings=4096,
