@@ -43,38 +43,38 @@ def silu_mul(gu):
     return torch.nn.functional.silu(gate) * up
 
 
-def _launch(kernel, x, w, extra, prologue_cols: int, block_n: int, block_k: int, num_warps: int = 4,
+def _launch(x, w, extra, up_offset: int, norm: bool, block_n: int, block_k: int, num_warps: int = 4,
             num_stages: int = 2):
     import triton
 
     rows, n = x.shape[0], w.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block_m = 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
-    kernel[(triton.cdiv(n, block_n),)](x, w, extra, out, rows, n, w.shape[1], x.stride(0), w.stride(0), out.stride(0),
-                                       prologue_cols, EPS, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                       num_warps=num_warps, num_stages=num_stages)
+    _kernel()[(triton.cdiv(n, block_n),)](x, w, extra, out, rows, n, w.shape[1], x.stride(0), w.stride(0), out.stride(0),
+                                          up_offset, EPS, NORM=norm, BLOCK_M=block_m, BLOCK_N=block_n,
+                                          BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 def norm_linear(x, g, w, block_n: int | None = None, block_k: int | None = None):
     rows = x.shape[0]
-    return _launch(_kernels()[0], x, w, g, 0, block_n or (8 if rows == 1 else 32), block_k or (512 if rows == 1 else 128))
+    return _launch(x, w, g, 0, True, block_n or (8 if rows == 1 else 32), block_k or (512 if rows == 1 else 128))
 
 
 def silu_mul_linear(gu, w, block_n: int | None = None, block_k: int | None = None):
     rows = gu.shape[0]
-    return _launch(_kernels()[1], gu, w, gu, gu.shape[1] // 2, block_n or (8 if rows == 1 else 16),
-                   block_k or 512)
+    return _launch(gu, w, gu, gu.shape[1] // 2, False, block_n or (8 if rows == 1 else 16), block_k or 512)
 
 
 @functools.cache
-def _kernels():
+def _kernel():
     import triton
     import triton.language as tl
 
+    # out = prologue(x) @ w.T; NORM: rms_norm(x) * g (scaled at the end), else silu(x[:, :UP]) * x[:, UP:].
     @triton.jit
-    def norm_linear_kernel(x, w, g, out, M, N, K, sx_m, sw_n, so_m, unused, eps,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def fused_gemv_kernel(x, w, g, out, M, N, K, sx_m, sw_n, so_m, UP, eps, NORM: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols_ok = cols < N
         rows = tl.arange(0, BLOCK_M)
@@ -88,46 +88,17 @@ def _kernels():
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + ks
             k_ok = kk < K
-            xt = tl.load(x + rows[:, None] * sx_m + kk[None, :], mask=rows_ok[:, None] & k_ok[None, :],
-                         other=0.0).to(tl.float32)
-            ss += tl.sum(xt * xt, axis=1)
-            gt = tl.load(g + kk, mask=k_ok, other=0.0).to(tl.float32)
+            at = rows_ok[:, None] & k_ok[None, :]
+            xt = tl.load(x + rows[:, None] * sx_m + kk[None, :], mask=at, other=0.0).to(tl.float32)
+            if NORM:
+                ss += tl.sum(xt * xt, axis=1)
+                h = xt * tl.load(g + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            else:
+                up = tl.load(x + rows[:, None] * sx_m + UP + kk[None, :], mask=at, other=0.0).to(tl.float32)
+                h = xt * tl.sigmoid(xt) * up
             wt = tl.load(w + cols[:, None].to(tl.int64) * sw_n + kk[None, :], mask=cols_ok[:, None] & k_ok[None, :],
                          other=0.0)
             if BLOCK_M == 1:  # one row: products summed along K at the end, no matrix unit
-                acc += wt.to(tl.float32) * (xt * gt[None, :])
-            else:
-                acc = tl.dot((xt * gt[None, :]).to(wt.dtype), tl.trans(wt), acc)
-        scale = tl.rsqrt(ss / K + eps)
-        if BLOCK_M == 1:
-            result = tl.sum(acc, axis=1)[None, :] * scale[:, None]
-        else:
-            result = acc * scale[:, None]
-        tl.store(out + rows[:, None] * so_m + cols[None, :], result.to(out.dtype.element_ty),
-                 mask=rows_ok[:, None] & cols_ok[None, :])
-
-    @triton.jit
-    def silu_mul_linear_kernel(gu, w, unused_ptr, out, M, N, K, sgu_m, sw_n, so_m, I, unused_eps,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cols_ok = cols < N
-        rows = tl.arange(0, BLOCK_M)
-        rows_ok = rows < M
-        ks = tl.arange(0, BLOCK_K)
-        if BLOCK_M == 1:
-            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
-            k_ok = kk < K
-            at = rows_ok[:, None] & k_ok[None, :]
-            gate = tl.load(gu + rows[:, None] * sgu_m + kk[None, :], mask=at, other=0.0).to(tl.float32)
-            up = tl.load(gu + rows[:, None] * sgu_m + I + kk[None, :], mask=at, other=0.0).to(tl.float32)
-            h = gate * tl.sigmoid(gate) * up
-            wt = tl.load(w + cols[:, None].to(tl.int64) * sw_n + kk[None, :], mask=cols_ok[:, None] & k_ok[None, :],
-                         other=0.0)
-            if BLOCK_M == 1:
                 acc += wt.to(tl.float32) * h
             else:
                 acc = tl.dot(h.to(wt.dtype), tl.trans(wt), acc)
@@ -135,10 +106,12 @@ def _kernels():
             result = tl.sum(acc, axis=1)[None, :]
         else:
             result = acc
+        if NORM:  # the norm's factor is per row: it commutes with the dot product
+            result = result * tl.rsqrt(ss / K + eps)[:, None]
         tl.store(out + rows[:, None] * so_m + cols[None, :], result.to(out.dtype.element_ty),
                  mask=rows_ok[:, None] & cols_ok[None, :])
 
-    return norm_linear_kernel, silu_mul_linear_kernel
+    return fused_gemv_kernel
 
 
 def check(device: str, dtype_rows: list[tuple[torch.dtype, int]]) -> float:

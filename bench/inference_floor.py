@@ -84,35 +84,35 @@ def make(name: str, model, root: str, serving: bool = False):
     return torch_ext.compile(model, config, dynamic=dynamic)
 
 
-def kernels_per_step(step, steps: int = 4) -> tuple[float, float]:
+def device_kernels(step, steps: int) -> list | None:
+    """The CUDA kernels (inside graphs too) of `steps` calls of step, from torch.profiler; None on the CPU."""
     from torch.autograd import DeviceType
 
     if not torch.cuda.is_available():  # --smoke on the CPU
-        return float("nan"), float("nan")
-
+        return None
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                              torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA
-             and not e.name.startswith(("Memcpy", "Memset"))]
+    return [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+def kernels_per_step(step, steps: int = 4) -> tuple[float, float]:
+    kernels = device_kernels(step, steps)
+    if kernels is None:
+        return float("nan"), float("nan")
+    names = [e.name for e in kernels if not e.name.startswith(("Memcpy", "Memset"))]
     gemm = [n for n in names if any(k in n.lower() for k in ("gemm", "gemv", "cutlass", "sm90_", "mm_", "matmul"))]
     return len(names) / steps, len(gemm) / steps
 
 
 def kernel_breakdown(name: str, b: int, step, steps: int = 4, top: int = 40) -> None:
-    """Where a step's GPU time goes: kernel time by kernel name (inside graphs too), and the gaps."""
-    from torch.autograd import DeviceType
-
-    if not torch.cuda.is_available():
+    """Where a step's GPU time goes: kernel time by kernel name (inside graphs too); the step's time
+    minus the total is spent between kernels."""
+    kernels = device_kernels(step, steps)
+    if kernels is None:
         return
-    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     per_name: dict[str, list[float]] = {}
     for e in kernels:
         per_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
