@@ -2,7 +2,7 @@
 reading the cache at memory bandwidth (split-KV), with SDPA's semantics.
 
     decode_attention(q, k, v, mask, scale) -> out
-        q: (B, H, 1, D); k, v: (B, Hkv, L, D), H a multiple of Hkv (grouped-query attention);
+        q: (B, H, 1, D); k, v: (B or 1, Hkv, L, D), H a multiple of Hkv (grouped-query attention);
         mask: None, or bool (True attends) / additive float, broadcastable to (B, H, 1, L);
         out = softmax(q @ k^T * scale + mask) @ v: (B, H, 1, D), q's dtype.
 
@@ -70,6 +70,8 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
 
     b, h, _, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
+    # SDPA broadcasts a batch of one; the kernels index k and v by q's batch (stride 0 reads it again).
+    k, v = k.expand(b, hkv, length, d), v.expand(b, hkv, length, d)
     out = torch.empty((b, h, 1, d), dtype=q.dtype, device=q.device)
     tiles = triton.cdiv(length, _BLOCK_N)
     splits = max(1, min(tiles, triton.cdiv(_TARGET_PROGRAMS, b * h)))

@@ -28,15 +28,17 @@ from torch_ext.hops.decode_attention import decode_attention_reference as ref, d
 torch.manual_seed(0)
 cases = [(1, 4, 4, 100, 64, None), (2, 8, 2, 300, 128, "bool"), (3, 4, 1, 64, 32, "float"),
          (2, 4, 4, 513, 80, "bool_one"), (1, 2, 2, 17, 16, "float_heads"), (2, 2, 2, 9, 8, "none_masked"),
-         (3, 96, 8, 70, 16, "bool"), (2, 136, 136, 9, 8, "none_masked")]  # b * h >= 264: one split, no combine
+         (3, 96, 8, 70, 16, "bool"), (2, 136, 136, 9, 8, "none_masked"),  # b * h >= 264: one split, no combine
+         (3, 4, 2, 50, 16, "shared_cache")]  # k and v of batch 1, broadcast over q's batch as SDPA does
 worst = 0.0
 for b, h, hkv, L, d, kind in cases:
+    kv_b = 1 if kind == "shared_cache" else b
     q = torch.randn(b, h, 1, d)
-    k = torch.randn(b, hkv, L + 5, d)[:, :, :L]  # a slice of a longer cache
-    v = torch.randn(b, L, hkv, d).transpose(1, 2)  # another layout
+    k = torch.randn(kv_b, hkv, L + 5, d)[:, :, :L]  # a slice of a longer cache
+    v = torch.randn(kv_b, L, hkv, d).transpose(1, 2)  # another layout
     mask = {None: None, "bool": torch.rand(b, 1, 1, L) > 0.3, "float": torch.randn(b, 1, 1, L),
             "bool_one": torch.rand(1, 1, 1, L) > 0.5, "float_heads": torch.randn(b, h, 1, L),
-            "none_masked": torch.zeros(b, 1, 1, L, dtype=torch.bool)}[kind]
+            "none_masked": torch.zeros(b, 1, 1, L, dtype=torch.bool), "shared_cache": None}[kind]
     out = torch.full((b, h, 1, d), float("nan"))
     out = tri(q, k, v, mask, 0.7 / d ** 0.5)
     m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
@@ -104,6 +106,22 @@ def test_repeated_kv_is_passed_unrepeated_only_where_heads_repeat_in_a_row(how, 
     (call,) = [n for gm in out.pieces[0].values() for n in gm.graph.nodes
                if n.target is torch.ops.torch_ext.decode_attention.default]
     assert [a.meta.get("example_value", a.meta.get("val")).shape[1] for a in call.args[1:3]] == [kv_heads, kv_heads]
+
+
+@pytest.mark.parametrize("q_batch,kv_batch,replaced", [(3, 1, True), (1, 3, False), (3, 3, True)])
+def test_batch_of_one_broadcast_by_sdpa(q_batch, kv_batch, replaced):
+    """SDPA broadcasts a batch of one: a cache shared by every sequence is read once per sequence
+    (the kernels must not index past it); a single query against three caches gives three outputs,
+    which the op (output of q's shape) cannot, so that call keeps SDPA."""
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    q, k, v = torch.randn(q_batch, 4, 1, 16), torch.randn(kv_batch, 2, 10, 16), torch.randn(kv_batch, 2, 10, 16)
+    counters.reset()
+    with torch.no_grad():
+        expected, actual = attend(q, k, v), torch.compile(attend, backend="torch_ext", dynamic=False)(q, k, v)
+    assert counters.decode_attention_calls == int(replaced)
+    torch.testing.assert_close(actual, expected)
 
 
 def test_sdpa_under_autocast_is_left_alone():

@@ -1,8 +1,8 @@
 """SDPA of one query token per sequence (a decode step) -> torch_ext::decode_attention (split-KV).
 
 A call is replaced where its example values say decode and SDPA's semantics carry over exactly:
-q (B, H, 1, D) with the 1 static, k and v (B, Hkv, L, D) with H a multiple of Hkv (grouped heads
-with enable_gqa, or equal counts), no dropout, not causal (SDPA's causal mask is top-left aligned: a
+q (B, H, 1, D) with the 1 static and the output of q's shape, k and v (B or 1, Hkv, L, D) with H a
+multiple of Hkv (grouped heads with enable_gqa, or equal counts), no dropout, not causal (SDPA's causal mask is top-left aligned: a
 single query row would see key 0 only), a mask that is None or a 4-D bool / same-dtype float tensor,
 and an output laid out contiguously (what follows was traced on SDPA's strides) and of q's dtype
 (under autocast SDPA computes in the autocast dtype; the op is not on autocast's lists). Calls the user made
@@ -120,6 +120,8 @@ def decode_call(node: fx.Node) -> dict | None:
     if a["dropout_p"] != 0.0 or a["is_causal"] is not False or a["enable_gqa"] not in (True, False):
         return None
     if q.shape[3] != k.shape[3] or v.shape[3] != q.shape[3] or k.shape[1] != v.shape[1] or not out.is_contiguous():
+        return None
+    if not _same_shape(out.shape, q.shape):  # SDPA broadcast a batch of one of q against k and v
         return None
     if q.shape[1] % k.shape[1] or (q.shape[1] != k.shape[1] and not a["enable_gqa"]):
         return None
