@@ -20,6 +20,8 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
   ext         torch_ext.compile(model, CompileConfig(cudagraph_mode="full", guard_free_dispatch=True),
               dynamic=False): torch_ext's inference recipe, its other defaults (merged projections) on
   ext-plain   the same with merge_projections=False, decode_attention=False (torch_ext before issue 25)
+  ext-pdl     ext with Inductor's triton.enable_pdl (programmatic dependent launch: a Triton kernel
+              may start while the one before it drains; Hopper+), where this torch has the option
 
 --breakdown: per batch, the kernels of a ro and an ext step by time (inside graphs too).
 
@@ -80,7 +82,8 @@ def make(name: str, model, root: str, serving: bool = False):
                                      cache_dir=os.path.join(root, name, "torch_ext"),
                                      cudagraph_capture_sizes=CAPTURE if serving else (),
                                      merge_projections=name != "ext-plain",
-                                     decode_attention=name != "ext-plain" and not NO_DECODE_ATTENTION)
+                                     decode_attention=name != "ext-plain" and not NO_DECODE_ATTENTION,
+                                     inductor_options={"triton.enable_pdl": True} if name == "ext-pdl" else {})
     return torch_ext.compile(model, config, dynamic=dynamic)
 
 
@@ -126,11 +129,15 @@ def kernel_breakdown(name: str, b: int, step, steps: int = 4, top: int = 40) -> 
 
 def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
-    columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-plain"] if c in args.columns]
+    columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-plain", "ext-pdl"] if c in args.columns]
     columns += ["autotune"] if args.autotune else []
     fns = {}
     for name in columns:
-        fns[name] = make(name, setup.model, root)
+        try:
+            fns[name] = make(name, setup.model, root)
+        except ValueError as e:  # an Inductor option this torch does not have (ext-pdl)
+            print(f"column {name} skipped: {e}")
+            continue
         batches = [1] if name == "autotune" else args.batches
         for b in sorted(batches, reverse=True):
             setup.reset(b)
@@ -223,7 +230,8 @@ def main() -> int:
     parser.add_argument("--no-decode-attention", action="store_true", help="ext without torch_ext's decode kernel")
     parser.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention: 16 heads share these")
     parser.add_argument("--context", type=int, default=None, help="cache length (default 256)")
-    parser.add_argument("--columns", default="eager,ro,ro-freeze,ext,ext-plain", help="ro is always run (x ro)")
+    parser.add_argument("--columns", default="eager,ro,ro-freeze,ext,ext-plain",
+                        help="any of eager,ro,ro-freeze,ext,ext-plain,ext-pdl; ro is always run (x ro)")
     parser.add_argument("--breakdown", action="store_true", help="kernel time by kernel, every compiled column")
     parser.add_argument("--log", action="store_true", help="torch_ext's INFO log (what runs without graphs, and why)")
     args = parser.parse_args()
