@@ -22,6 +22,8 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
   ext-plain   the same with merge_projections=False, decode_attention=False (torch_ext before issue 25)
   ext-pdl     ext with Inductor's triton.enable_pdl (programmatic dependent launch: a Triton kernel
               may start while the one before it drains; Hopper+), where this torch has the option
+  ext-autotune ext with Inductor's max_autotune (GEMM templates that take pointwise neighbours), batch 1
+               only (--autotune: minutes of compile)
 
 --breakdown: per batch, the kernels of a ro and an ext step by time (inside graphs too).
 
@@ -48,6 +50,7 @@ from decode import copy_bandwidth  # noqa: E402  (device-to-device, read + write
 from table import print_table  # noqa: E402
 
 CAPTURE = (1, 2, 4, 8, 16, 32)
+BATCH_1_ONLY = ("autotune", "ext-autotune")  # minutes of compile per batch
 
 
 def floor_bytes(setup, b: int) -> int:
@@ -83,7 +86,8 @@ def make(name: str, model, root: str, serving: bool = False):
                                      cudagraph_capture_sizes=CAPTURE if serving else (),
                                      merge_projections=name != "ext-plain",
                                      decode_attention=name != "ext-plain" and not NO_DECODE_ATTENTION,
-                                     inductor_options={"triton.enable_pdl": True} if name == "ext-pdl" else {})
+                                     inductor_options={"ext-pdl": {"triton.enable_pdl": True},
+                                                       "ext-autotune": {"max_autotune": True}}.get(name, {}))
     return torch_ext.compile(model, config, dynamic=dynamic)
 
 
@@ -130,7 +134,7 @@ def kernel_breakdown(name: str, b: int, step, steps: int = 4, top: int = 40) -> 
 def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
     columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-plain", "ext-pdl"] if c in args.columns]
-    columns += ["autotune"] if args.autotune else []
+    columns += ["autotune", "ext-autotune"] if args.autotune else []
     fns = {}
     for name in columns:
         try:
@@ -138,7 +142,7 @@ def step_table(args, setup, bandwidth: float) -> None:
         except ValueError as e:  # an Inductor option this torch does not have (ext-pdl)
             print(f"column {name} skipped: {e}")
             continue
-        batches = [1] if name == "autotune" else args.batches
+        batches = [1] if name in BATCH_1_ONLY else args.batches
         for b in sorted(batches, reverse=True):
             setup.reset(b)
             with torch.no_grad():
@@ -149,7 +153,7 @@ def step_table(args, setup, bandwidth: float) -> None:
     for _ in range(args.rounds):
         for b in args.batches:
             for name, fn in fns.items():
-                if name == "autotune" and b != 1:
+                if name in BATCH_1_ONLY and b != 1:
                     continue
                 times.setdefault((name, b), []).append(H.time_steps(setup, fn, b, args.iters)[0])
     rows = []
@@ -171,7 +175,7 @@ def step_table(args, setup, bandwidth: float) -> None:
         rows.append([b, "floor", f"{floor_ms:.3f}", "1.00", "", "", "", ""])
     if args.breakdown:
         for b in args.batches:
-            for name in [c for c in fns if c not in ("eager", "autotune") or b == 1 and c == "autotune"]:
+            for name in [c for c in fns if c != "eager" and (c not in BATCH_1_ONLY or b == 1)]:
                 def one(fn=fns[name], b=b):
                     setup.step(fn, b)
                     setup.reset(b)
@@ -231,7 +235,8 @@ def main() -> int:
     parser.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention: 16 heads share these")
     parser.add_argument("--context", type=int, default=None, help="cache length (default 256)")
     parser.add_argument("--columns", default="eager,ro,ro-freeze,ext,ext-plain",
-                        help="any of eager,ro,ro-freeze,ext,ext-plain,ext-pdl; ro is always run (x ro)")
+                        help="any of eager,ro,ro-freeze,ext,ext-plain,ext-pdl; ro is always run (x ro); --autotune adds "
+                             "autotune and ext-autotune")
     parser.add_argument("--breakdown", action="store_true", help="kernel time by kernel, every compiled column")
     parser.add_argument("--log", action="store_true", help="torch_ext's INFO log (what runs without graphs, and why)")
     args = parser.parse_args()
