@@ -156,6 +156,40 @@ def test_updates_and_rebinds_are_seen_on_the_next_call():
     assert counters.graphs_seen == 1
 
 
+def test_layers_compiled_one_by_one_keep_their_own_weights():
+    """Regional compilation: identical layers each compiled, one graph serving them all. Each layer's
+    parameters get buffers of their own; one shared buffer had every layer run (and, its parameters
+    being views, eagerly hold) the last layer's weights."""
+    layers = [Projections().eval() for _ in range(3)]
+    reference = copy.deepcopy(layers)
+    for layer in layers:
+        layer.compile(backend="torch_ext")
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        for _ in range(3):
+            for layer, ref in zip(layers, reference):
+                torch.testing.assert_close(layer(x), ref(x), atol=1e-5, rtol=1e-5)
+    for layer, ref in zip(layers, reference):
+        torch.testing.assert_close(layer.state_dict(), ref.state_dict(), atol=0, rtol=0)
+    assert counters.merged_projection_groups >= 1
+    assert len({layer.q.weight.untyped_storage().data_ptr() for layer in layers}) == 3
+
+
+def test_a_replaced_parameter_kept_by_the_user_keeps_its_values():
+    """A parameter swapped for a new one: the new one's values go into the merged buffer; the old one,
+    still a view of it, gets storage of its own first."""
+    model = Projections().eval()
+    compiled = torch_ext.compile(model, config(), dynamic=True)
+    x = torch.randn(3, 16)
+    assert_matches(compiled, model, x)
+    old = model.k.weight
+    kept = old.detach().clone()
+    model.k.weight = nn.Parameter(torch.randn(4, 16))
+    assert_matches(compiled, model, x)
+    torch.testing.assert_close(old.detach(), kept, atol=0, rtol=0)
+    assert old.untyped_storage().data_ptr() != model.k.weight.untyped_storage().data_ptr()
+
+
 def test_optimizer_step_is_seen():
     model = Projections().eval()
     compiled = torch_ext.compile(model, config(), dynamic=True)

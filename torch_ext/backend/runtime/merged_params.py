@@ -5,7 +5,8 @@ parameter's `.data` is rebound to its rows of the buffer, so its old storage is 
 copy) and in-place updates (optimizer steps, `copy_`, `load_state_dict`) write the buffer. Every call
 checks that each grouped argument still is its slice (one data_ptr per parameter); one that is not
 (`param.data = t`, `load_state_dict(assign=True)`, a new nn.Parameter) is copied into the buffer and
-rebound again. The buffers never move, so CUDA graphs read them in place.
+rebound again. The buffers never move, so CUDA graphs read them in place. Modules that share one
+compiled graph (identical layers compiled one by one) each get buffers of their own.
 
 Parameters that already are consecutive rows of one storage (another graph of the model merged them,
 or they were loaded that way) are used where they are: that storage is the buffer.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -67,72 +69,126 @@ def _shared_storage(params: list[torch.Tensor], shape: tuple[int, ...]) -> torch
         first.untyped_storage(), first.storage_offset(), shape)
 
 
-class MergedParams:
-    """Calls `compiled` with the merged buffers after the graph's own arguments, having checked that
-    every grouped parameter still is its slice of them. Other attributes are the compiled callable's
-    (tests and tools read the split graph through it)."""
+class _ParamSet:
+    """The buffers of one set of parameters (one module's: several modules may share a compiled graph,
+    as regional compilation of identical layers does) and the per-call check that the parameters
+    still are their slices."""
 
-    def __init__(self, compiled: Callable, plan: MergePlan, name: str):
-        self.compiled = compiled
+    def __init__(self, plan: MergePlan):
         self.plan = plan
-        self.name = name
         self.slots: list[_Slots] = []
         for group in plan.groups:
             self.slots.append(_Slots(group.weight_inputs, group.rows, (group.in_features,)))
             if group.bias_inputs:
                 self.slots.append(_Slots(group.bias_inputs, group.rows, ()))
         self.buffers: tuple[torch.Tensor, ...] = ()
-        self._expected: tuple[tuple[int, int], ...] = ((plan.groups[0].weight_inputs[0], -1),)  # unbound
-        self._at, self._ptrs = compat.address_check(self._expected, plan.original_inputs)  # the per-call check
-        self._lock = threading.Lock()
-        self._said = False
+        # The parameter object bound to each slice (weak: a set must not keep a dropped module alive).
+        self.owners: dict[tuple[int, int], weakref.ref] = {}
+        self.expected: tuple[tuple[int, int], ...] = ()
+        self.at, self.ptrs = [], []
 
-    def bind(self, args) -> None:
-        """Make the buffers from the parameters in `args` (real tensors; not fake ones of a graph
-        loaded for a warm start: then the first call does it) and rebind the parameters to them."""
-        if all(_is_real(args[i]) for slot in self.slots for i in slot.inputs):
-            with self._lock:
-                self._rebind(args)
+    def matches(self, args) -> bool:
+        return bool(self.buffers) and compat.data_ptrs_equal(args, self.ptrs, self.at)
 
-    def __call__(self, *args):
-        # One C++ call over every grouped parameter (the hot path: ~100 parameters in a 16-layer model).
-        if not compat.data_ptrs_equal(list(args), self._ptrs, self._at):
-            with self._lock:
-                self._rebind(args)
-        return self.compiled(*args, *self.buffers)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "compiled":
-            raise AttributeError(name)
-        return getattr(self.compiled, name)
-
-    def _rebind(self, args) -> None:
-        if all(args[i].data_ptr() == ptr for i, ptr in self._expected):
-            return  # another thread did it
+    def rebind(self, args) -> bool:
+        """Make the buffers (first call) or copy into them the parameters of args that are not their
+        slices; every parameter is then rebound to its slice. Returns whether anything was copied."""
+        copied = False
         # Outside inference mode: an inference tensor as a parameter's storage would refuse training.
         with torch.inference_mode(False), torch.no_grad():
             if not self.buffers:
                 for slot in self.slots:
                     slot.create([args[i] for i in slot.inputs])
                 self.buffers = tuple(slot.buffer for slot in self.slots)
-            elif not self._said:
-                self._said = True
-                log.info("torch_ext: %s: parameters of merged projections were replaced or rebound since the "
-                         "compile; copying them into their merged buffers (once per change)", self.name)
-            for slot in self.slots:
+            for n, slot in enumerate(self.slots):
                 for i, piece in zip(slot.inputs, slot.slices()):
                     param = args[i]
                     if param.data_ptr() == piece.data_ptr():
+                        self.owners[(n, i)] = weakref.ref(param)
                         continue
                     if param.shape != piece.shape or param.dtype != piece.dtype or param.device != piece.device:
                         raise RuntimeError(
-                            f"torch_ext: {self.name}: a merged parameter changed from {tuple(piece.shape)} "
-                            f"{piece.dtype} on {piece.device} to {tuple(param.shape)} {param.dtype} on "
-                            f"{param.device} without a recompile; call torch._dynamo.reset() and compile again")
+                            f"torch_ext: a merged parameter changed from {tuple(piece.shape)} {piece.dtype} on "
+                            f"{piece.device} to {tuple(param.shape)} {param.dtype} on {param.device} without a "
+                            "recompile; call torch._dynamo.reset() and compile again")
+                    old = self.owners.get((n, i), lambda: None)()
+                    if old is not None and old is not param and old.data_ptr() == piece.data_ptr():
+                        old.data = piece.clone()  # another parameter still lives in this slice: give it its own
                     piece.copy_(param.detach())
                     param.data = piece
-        self._expected = tuple(pair for slot in self.slots for pair in slot.expected())
-        self._at, self._ptrs = compat.address_check(self._expected, self.plan.original_inputs)
+                    self.owners[(n, i)] = weakref.ref(param)
+                    copied = True
+        self.expected = tuple(pair for slot in self.slots for pair in slot.expected())
+        self.at, self.ptrs = compat.address_check(self.expected, self.plan.original_inputs)
+        return copied
+
+
+class MergedParams:
+    """Calls `compiled` with the merged buffers after the graph's own arguments, having checked that
+    every grouped parameter still is its slice of them. Other attributes are the compiled callable's
+    (tests and tools read the split graph through it).
+
+    One graph may serve several modules' parameters (identical layers compiled one by one: Dynamo
+    reuses the graph), so each set of parameters, known by its first grouped parameter object, has
+    buffers of its own: copying a second module's weights into the first's buffers would change the
+    first module's weights too (they are views of those buffers)."""
+
+    def __init__(self, compiled: Callable, plan: MergePlan, name: str):
+        self.compiled = compiled
+        self.plan = plan
+        self.name = name
+        self._key_input = plan.groups[0].weight_inputs[0]
+        self._sets: dict[int, tuple[weakref.ref, _ParamSet]] = {}  # id(first parameter) -> its set
+        self._current: _ParamSet | None = None  # the set of the last call: the fast path
+        self._lock = threading.Lock()
+        self._said = False
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The buffers of the last call's parameters."""
+        return self._current.buffers if self._current is not None else ()
+
+    def bind(self, args) -> None:
+        """Make the buffers from the parameters in `args` (real tensors; not fake ones of a graph
+        loaded for a warm start: then the first call does it) and rebind the parameters to them."""
+        if all(_is_real(args[i]) for group in self.plan.groups for i in group.weight_inputs + group.bias_inputs):
+            self._resolve(list(args))
+
+    def __call__(self, *args):
+        current = self._current  # one read: another thread may switch it
+        if current is None or not current.matches(list(args)):
+            current = self._resolve(list(args))
+        return self.compiled(*args, *current.buffers)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("compiled", "_current", "_sets"):
+            raise AttributeError(name)
+        return getattr(self.compiled, name)
+
+    def _resolve(self, args) -> _ParamSet:
+        with self._lock:
+            key = args[self._key_input]
+            entry = self._sets.get(id(key))
+            if entry is None or entry[0]() is not key:
+                entry = (weakref.ref(key, self._forget(id(key))), _ParamSet(self.plan))
+                self._sets[id(key)] = entry
+            param_set = entry[1]
+            if not param_set.matches(args):
+                first = not param_set.buffers
+                if param_set.rebind(args) and not first and not self._said:
+                    self._said = True
+                    log.info("torch_ext: %s: parameters of merged projections were replaced or rebound since "
+                             "the compile; copying them into their merged buffers (once per change)", self.name)
+            self._current = param_set
+            return param_set
+
+    def _forget(self, key: int) -> Callable:
+        """Drops a set when its first parameter is collected (the module was dropped)."""
+        def forget(ref, sets=self._sets):
+            entry = sets.get(key)
+            if entry is not None and entry[0] is ref:
+                del sets[key]
+        return forget
 
 
 def _is_real(value) -> bool:
