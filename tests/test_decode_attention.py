@@ -124,6 +124,24 @@ def test_batch_of_one_broadcast_by_sdpa(q_batch, kv_batch, replaced):
     torch.testing.assert_close(actual, expected)
 
 
+def test_tensor_subclass_inputs_keep_sdpa():
+    """A tensor subclass (here torch's TwoTensor; in the wild a quantized KV cache) computes SDPA its
+    own way; the op would be handed its inner tensors."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 4, 10, 16), torch.randn(2, 4, 10, 16)
+    k, v = TwoTensor(k, k * 2), TwoTensor(v, v + 1)
+    counters.reset()
+    with torch.no_grad():
+        expected, actual = attend(q, k, v), torch.compile(attend, backend="torch_ext")(q, k, v)
+    assert counters.decode_attention_calls == 0 and type(actual) is TwoTensor
+    torch.testing.assert_close(actual.a, expected.a)
+    torch.testing.assert_close(actual.b, expected.b)
+
+
 def test_sdpa_under_autocast_is_left_alone():
     """Autocast runs SDPA in bf16 on fp32 inputs; the op would compute (and return) fp32."""
     def attend(q, k, v):

@@ -190,6 +190,23 @@ def test_a_replaced_parameter_kept_by_the_user_keeps_its_values():
     assert old.untyped_storage().data_ptr() != model.k.weight.untyped_storage().data_ptr()
 
 
+def test_tensor_subclass_weights_are_left_alone():
+    """Weights of a tensor subclass (torch's TwoTensor here; quantized weights or DTensors in the wild)
+    compute their linear their own way: no merge (the merge had crashed reading their storage)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    model = Projections(bias=False).eval()
+    for m in (model.q, model.k, model.v):
+        w = m.weight.detach()
+        m.weight = nn.Parameter(TwoTensor(w, w * 2), requires_grad=False)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        expected, actual = model(x), torch.compile(model, backend="torch_ext")(x)
+    assert counters.merged_projection_groups == 0
+    torch.testing.assert_close(actual.a, expected.a)
+    torch.testing.assert_close(actual.b, expected.b)
+
+
 def test_optimizer_step_is_seen():
     model = Projections().eval()
     compiled = torch_ext.compile(model, config(), dynamic=True)

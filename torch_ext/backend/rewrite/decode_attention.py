@@ -2,11 +2,12 @@
 
 A call is replaced where its example values say decode and SDPA's semantics carry over exactly:
 q (B, H, 1, D) with the 1 static and the output of q's shape, k and v (B or 1, Hkv, L, D) with H a
-multiple of Hkv (grouped heads with enable_gqa, or equal counts), no dropout, not causal (SDPA's causal mask is top-left aligned: a
-single query row would see key 0 only), a mask that is None or a 4-D bool / same-dtype float tensor,
-and an output laid out contiguously (what follows was traced on SDPA's strides) and of q's dtype
-(under autocast SDPA computes in the autocast dtype; the op is not on autocast's lists). Calls the user made
-splitting ops are left as they are. Inference graphs only (the op has no backward).
+multiple of Hkv (grouped heads with enable_gqa, or equal counts), no dropout, not causal (SDPA's
+causal mask is top-left aligned: a single query row would see key 0 only), a mask that is None or a
+4-D bool / same-dtype float tensor, an output laid out contiguously (what follows was traced on SDPA's
+strides) and of q's dtype (under autocast SDPA computes in the autocast dtype; the op is not on
+autocast's lists), and plain tensors (a subclass, e.g. a quantized cache, runs its own SDPA). Calls
+the user made splitting ops are left as they are. Inference graphs only (the op has no backward).
 
 K and v repeated along heads for grouped-query attention, as HF's `repeat_kv` does whenever a mask is
 given (`x[:, :, None].expand(B, Hkv, n, L, D).reshape(B, Hkv * n, L, D)`) or as
@@ -23,6 +24,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import torch_ext.hops.decode_attention  # noqa: F401  (registers the op: also where a saved graph calling it loads)
 
@@ -113,7 +115,8 @@ def decode_call(node: fx.Node) -> dict | None:
         a = dict(a, key=k_src, value=v_src, enable_gqa=True)  # the op repeats heads by itself
     q, k, v, out = (_value(a["query"]), _value(a["key"]), _value(a["value"]), _value(node))
     mask = a["attn_mask"]
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v, out)):
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and not is_traceable_wrapper_subclass(t)
+               for t in (q, k, v, out, _value(mask) if mask is not None else q)):  # a subclass: its own SDPA
         return None
     if not (_static(q.shape[1], q.shape[2], q.shape[3], k.shape[1], k.shape[3], v.shape[3]) and q.shape[2] == 1):
         return None

@@ -1,7 +1,8 @@
 """Merge projections that read the same input (q/k/v, gate/up) into one linear, for inference graphs.
 
 A group is >= 2 `linear(x, w_i, b_i)` calls of one graph sharing the node `x`, whose weights (and
-biases, all or none) are parameters: placeholders Dynamo marks static, each used by that one linear
+biases, all or none) are parameters: plain tensors (no subclass: a quantized weight or a DTensor
+computes its linear its own way) in placeholders Dynamo marks static, each used by that one linear
 alone, of one dtype and device, contiguous, with the same in_features; x and the output of that dtype
 too (autocast would have the merged call compute in another), and no node between the calls that may
 mutate a tensor or change autocast / grad mode (the merged call runs where the first one was: a later
@@ -32,6 +33,7 @@ import torch
 import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torch_ext import compat
 
@@ -93,7 +95,8 @@ def _is_param(node, users_ok) -> bool:
             and _STATIC in node.meta.get("tensor_dict", {})):
         return False
     value = _value(node)
-    if not isinstance(value, torch.Tensor) or not value.is_contiguous():
+    # A plain tensor: a subclass (a quantized weight, a DTensor) computes its linear its own way.
+    if not isinstance(value, torch.Tensor) or is_traceable_wrapper_subclass(value) or not value.is_contiguous():
         return False
     return len(node.users) == 1 and users_ok(next(iter(node.users)))
 
