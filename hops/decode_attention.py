@@ -70,6 +70,8 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
 
     b, h, _, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
+    if length == 0:  # nothing to attend to: zeros, as SDPA gives
+        return q.new_zeros((b, h, 1, d))
     # SDPA broadcasts a batch of one; the kernels index k and v by q's batch (stride 0 reads it again).
     k, v = k.expand(b, hkv, length, d), v.expand(b, hkv, length, d)
     out = torch.empty((b, h, 1, d), dtype=q.dtype, device=q.device)

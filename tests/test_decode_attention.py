@@ -47,6 +47,8 @@ for b, h, hkv, L, d, kind in cases:
     err = ((out.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
     assert err < 1e-5 or (kind == "none_masked" and out.abs().max() == 0), (b, h, hkv, L, d, kind, err)
     worst = max(worst, err if kind != "none_masked" else 0.0)
+empty = tri(torch.randn(2, 4, 1, 8), torch.randn(2, 2, 0, 8), torch.randn(2, 2, 0, 8), None, 0.3)
+assert empty.shape == (2, 4, 1, 8) and not empty.any()  # an empty cache: zeros, as SDPA
 print("WORST", worst)
 '''
 
