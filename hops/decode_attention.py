@@ -8,8 +8,9 @@ reading the cache at memory bandwidth (split-KV), with SDPA's semantics.
 
 Why: a decode step's SDPA runs a prefill kernel for one query row, whose B*H programs leave most of
 the GPU idle while each walks the whole cache (H100, HF Llama 16x2048, batch 1: 130 us for ~16 us of
-KV bytes). Here L is split across programs (grid B*H x splits): each reduces its chunk with an online
-softmax into a float32 partial, and a second launch combines the partials (none where B*H alone fills
+KV bytes). Here L is split across programs (grid B*H x splits; with grouped heads B*Hkv x splits, a
+program serving the query heads of one kv head, so the cache is read once): each reduces its chunk
+with an online softmax into a float32 partial, and a second launch combines the partials (none where B*H alone fills
 the GPU: one split, whose program writes the output). The rewrite that puts this
 op in place of SDPA is torch_ext/backend/rewrite/decode_attention.py.
 
@@ -75,8 +76,12 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
     # SDPA broadcasts a batch of one; the kernels index k and v by q's batch (stride 0 reads it again).
     k, v = k.expand(b, hkv, length, d), v.expand(b, hkv, length, d)
     out = torch.empty((b, h, 1, d), dtype=q.dtype, device=q.device)
+    groups = h // hkv
+    # Grouped heads: one program serves the query heads of one kv head, so each cache byte is read once
+    # (a program per query head read it `groups` times: 4.3x the cache's bytes, H100, 4 of 16 heads).
+    rows = b * hkv if groups > 1 else b * h
     tiles = triton.cdiv(length, _BLOCK_N)
-    splits = max(1, min(tiles, triton.cdiv(_TARGET_PROGRAMS, b * h)))
+    splits = max(1, min(tiles, triton.cdiv(_TARGET_PROGRAMS, rows)))
     per_split = triton.cdiv(tiles, splits) * _BLOCK_N
     splits = triton.cdiv(length, per_split)
     # One split: no partials (the kernel writes `out`; the argument is unused).
@@ -86,15 +91,21 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
         ms, is_bool = mask.stride(), mask.dtype == torch.bool
     else:
         ms, is_bool = (0, 0, 0, 0), False
-    partial_kernel, combine_kernel = _kernels()
+    partial_kernel, grouped_kernel, combine_kernel = _kernels()
     block_d = triton.next_power_of_2(d)
-    direct = splits == 1  # one split per row (b * h fills the GPU): the partial kernel writes the output
-    partial_kernel[(b * h, splits)](
-        q, k, v, mask if mask is not None else q, partial, out, scale * 1.4426950408889634,  # exp2 of log2(e)-scaled scores
-        q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-        v.stride(0), v.stride(1), v.stride(2), v.stride(3), ms[0], ms[1], ms[3], out.stride(0), out.stride(1),
-        h, h // hkv, length, per_split, d, splits,
-        HAS_MASK=mask is not None, BOOL_MASK=is_bool, DIRECT=direct, BLOCK_N=_BLOCK_N, BLOCK_D=block_d, num_warps=4)
+    direct = splits == 1  # one split per row (the rows fill the GPU): the partial kernel writes the output
+    args = (q, k, v, mask if mask is not None else q, partial, out, scale * 1.4426950408889634,  # exp2 of log2(e)-scaled scores
+            q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+            v.stride(0), v.stride(1), v.stride(2), v.stride(3), ms[0], ms[1], ms[3], out.stride(0), out.stride(1),
+            h, groups, length, per_split, d, splits)
+    flags = dict(HAS_MASK=mask is not None, BOOL_MASK=is_bool, DIRECT=direct, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
+                 num_warps=4)
+    if groups > 1:  # tl.dot needs 16 rows: the group's heads, padded
+        flags["BLOCK_D"] = max(16, block_d)  # tl.dot's smallest K
+        grouped_kernel[(rows, splits)](*args, BLOCK_G=max(16, triton.next_power_of_2(groups)),
+                                       IEEE=q.dtype == torch.float32, **flags)
+    else:
+        partial_kernel[(rows, splits)](*args, **flags)
     if not direct:
         combine_kernel[(b * h,)](partial, out, out.stride(0), out.stride(1), h, d, splits,
                                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
@@ -163,6 +174,68 @@ def _kernels():
             tl.store(base + D + 1, l_all)
 
     @triton.jit
+    def grouped_kernel(q, k, v, mask, partial, out, scale_log2,
+                       sq_b, sq_h, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, sm_b, sm_h, sm_n, so_b, so_h,
+                       H, GROUPS, L, PER_SPLIT, D, SPLITS,
+                       HAS_MASK: tl.constexpr, BOOL_MASK: tl.constexpr, DIRECT: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr):
+        # partial_kernel for the GROUPS query heads of one kv head at once (rows of a tl.dot): the
+        # program reads its chunk of the cache once for all of them.
+        row = tl.program_id(0)  # b * Hkv + kv head
+        split = tl.program_id(1)
+        hkv = H // GROUPS
+        bi = (row // hkv).to(tl.int64)
+        kv_h = (row % hkv).to(tl.int64)
+        g = tl.arange(0, BLOCK_G)
+        g_ok = g < GROUPS
+        heads = (kv_h * GROUPS + g).to(tl.int64)  # query heads kv_h * GROUPS ... in SDPA's enable_gqa order
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        qt = tl.load(q + bi * sq_b + heads[:, None] * sq_h + d[None, :] * sq_d, mask=g_ok[:, None] & d_ok[None, :],
+                     other=0.0)
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # per head: online softmax in log2 units
+        l = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        start = split * PER_SPLIT
+        for n0 in range(start, tl.minimum(start + PER_SPLIT, L), BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            live = n < L
+            kt = tl.load(k + bi * sk_b + kv_h * sk_h + n[:, None].to(tl.int64) * sk_n + d[None, :] * sk_d,
+                         mask=live[:, None] & d_ok[None, :], other=0.0)
+            vt = tl.load(v + bi * sv_b + kv_h * sv_h + n[:, None].to(tl.int64) * sv_n + d[None, :] * sv_d,
+                         mask=live[:, None] & d_ok[None, :], other=0.0)
+            if IEEE:  # float32 inputs: no TF32 rounding
+                s = tl.dot(qt, tl.trans(kt), input_precision="ieee") * scale_log2
+            else:
+                s = tl.dot(qt, tl.trans(kt)) * scale_log2
+            if HAS_MASK:
+                mv = tl.load(mask + bi * sm_b + heads[:, None] * sm_h + n[None, :].to(tl.int64) * sm_n,
+                             mask=g_ok[:, None] & live[None, :], other=0)
+                if BOOL_MASK:
+                    s = tl.where(mv != 0, s, float("-inf"))
+                else:
+                    s = s + mv.to(tl.float32) * 1.4426950408889634
+            s = tl.where(live[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp2(m - m_new))  # a head with nothing yet stays empty
+            p = tl.where(m_new[:, None] == float("-inf"), 0.0, tl.exp2(s - m_new[:, None]))
+            l = l * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m = m_new
+        if DIRECT:  # the only split: normalize here (zeros where all masked)
+            result = tl.where(l[:, None] > 0, acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
+            o = out + bi * so_b + heads[:, None] * so_h + d[None, :]
+            tl.store(o, result.to(out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        else:  # the partial rows of query heads, as partial_kernel lays them out
+            base = partial + ((bi * H + heads) * SPLITS + split) * (D + 2)
+            tl.store(base[:, None] + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+            tl.store(base + D, m, mask=g_ok)
+            tl.store(base + D + 1, l, mask=g_ok)
+
+    @triton.jit
     def combine_kernel(partial, out, so_b, so_h, H, D, SPLITS, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0)
         sp = tl.arange(0, BLOCK_S)
@@ -180,5 +253,5 @@ def _kernels():
         o = out + (row // H).to(tl.int64) * so_b + (row % H).to(tl.int64) * so_h
         tl.store(o + d, result.to(out.dtype.element_ty), mask=d < D)
 
-    return partial_kernel, combine_kernel
+    return partial_kernel, grouped_kernel, combine_kernel
 

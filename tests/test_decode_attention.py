@@ -29,7 +29,9 @@ torch.manual_seed(0)
 cases = [(1, 4, 4, 100, 64, None), (2, 8, 2, 300, 128, "bool"), (3, 4, 1, 64, 32, "float"),
          (2, 4, 4, 513, 80, "bool_one"), (1, 2, 2, 17, 16, "float_heads"), (2, 2, 2, 9, 8, "none_masked"),
          (3, 96, 8, 70, 16, "bool"), (2, 136, 136, 9, 8, "none_masked"),  # b * h >= 264: one split, no combine
-         (3, 4, 2, 50, 16, "shared_cache")]  # k and v of batch 1, broadcast over q's batch as SDPA does
+         (3, 4, 2, 50, 16, "shared_cache"),  # k and v of batch 1, broadcast over q's batch as SDPA does
+         (2, 8, 2, 77, 24, "float_heads"), (134, 4, 2, 9, 8, "bool"),  # grouped: per-head mask; b * hkv >= 264
+         (2, 40, 2, 130, 16, "none_masked")]  # 20 heads a group: 32 rows of one tl.dot
 worst = 0.0
 for b, h, hkv, L, d, kind in cases:
     kv_b = 1 if kind == "shared_cache" else b

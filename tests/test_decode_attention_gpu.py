@@ -17,7 +17,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("b,h,hkv,length,d,mask", [(1, 16, 16, 256, 128, "bool"), (32, 16, 16, 256, 128, "bool"),
                                                    (8, 32, 8, 4096, 128, None), (3, 8, 2, 1000, 64, "float"),
                                                    (2, 4, 4, 77, 96, "heads"),
-                                                   (20, 16, 4, 300, 64, "bool")])  # b*h >= 264: one split, no combine
+                                                   (20, 16, 4, 300, 64, "bool"),  # b*h >= 264: one split, no combine
+                                                   (2, 8, 2, 77, 96, "heads"),  # grouped heads, a mask per head
+                                                   (140, 8, 2, 40, 16, "bool")])  # grouped, b*hkv >= 264: direct
 def test_kernels_equal_a_float64_reference(dtype, tol, b, h, hkv, length, d, mask):
     g = torch.Generator(device="cuda").manual_seed(b * length + d)
     q = torch.randn(b, h, 1, d, device="cuda", dtype=dtype, generator=g)
