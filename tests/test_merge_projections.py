@@ -190,6 +190,34 @@ def test_a_replaced_parameter_kept_by_the_user_keeps_its_values():
     assert old.untyped_storage().data_ptr() != model.k.weight.untyped_storage().data_ptr()
 
 
+def test_moving_the_model_after_a_call_keeps_no_copy_of_the_old_weights():
+    """model.to(dtype) after a compiled call: Dynamo compiles again, and the new graph's buffers take
+    the parameters; the old graph's buffers (the old dtype's weights) must not stay alive with it."""
+    model = Projections().eval()
+    compiled = torch_ext.compile(model, config(), dynamic=True)
+    x = torch.randn(3, 16)
+    assert_matches(compiled, model, x)
+    old = StorageWeakRef(model.q.weight.untyped_storage())
+    model.to(torch.float64)
+    assert_matches(compiled, model, x.double())
+    assert old.expired()
+
+
+def test_graphs_of_one_model_share_its_buffers():
+    """Two graphs grouping the same parameters (two input ranks here; prefill and decode in a model)
+    use one buffer: alternating between them copies nothing."""
+    model = Projections().eval()
+    compiled = torch_ext.compile(model, config(), dynamic=False)
+    a, b = torch.randn(3, 16), torch.randn(2, 5, 16)
+    assert_matches(compiled, model, a)
+    storage = model.q.weight.untyped_storage().data_ptr()
+    for _ in range(3):
+        assert_matches(compiled, model, b)
+        assert_matches(compiled, model, a)
+    assert counters.graphs_seen == 2
+    assert {p.untyped_storage().data_ptr() for p in (model.q.weight, model.k.weight, model.v.weight)} == {storage}
+
+
 def test_tensor_subclass_weights_are_left_alone():
     """Weights of a tensor subclass (torch's TwoTensor here; quantized weights or DTensors in the wild)
     compute their linear their own way: no merge (the merge had crashed reading their storage)."""

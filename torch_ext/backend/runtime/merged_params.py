@@ -69,6 +69,30 @@ def _shared_storage(params: list[torch.Tensor], shape: tuple[int, ...]) -> torch
         first.untyped_storage(), first.storage_offset(), shape)
 
 
+# The set each parameter is bound to now: id -> (the parameter, the set), both weakly. A set whose
+# parameter another set takes into storage of its own (the model moved by `.to()` and compiled again:
+# the old graph is never called again) drops its buffers, so no second copy of the weights stays
+# behind; called again, it makes them anew.
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+_OWNERS_LOCK = threading.Lock()
+
+
+def _claim(param: torch.Tensor, owner: "_ParamSet") -> None:
+    key = id(param)
+    with _OWNERS_LOCK:
+        entry = _OWNERS.get(key)
+        previous = entry[1]() if entry is not None and entry[0]() is param else None
+
+        def forget(ref, key=key):
+            with _OWNERS_LOCK:
+                if _OWNERS.get(key, (None,))[0] is ref:
+                    del _OWNERS[key]
+
+        _OWNERS[key] = (weakref.ref(param, forget), weakref.ref(owner))
+    if previous is not None and previous is not owner and not previous.holds(param):
+        previous.release()
+
+
 class _ParamSet:
     """The buffers of one set of parameters (one module's: several modules may share a compiled graph,
     as regional compilation of identical layers does) and the per-call check that the parameters
@@ -90,6 +114,17 @@ class _ParamSet:
     def matches(self, args) -> bool:
         return bool(self.buffers) and compat.data_ptrs_equal(args, self.ptrs, self.at)
 
+    def holds(self, param: torch.Tensor) -> bool:
+        storage = param.untyped_storage().data_ptr()
+        return any(b.untyped_storage().data_ptr() == storage for b in self.buffers)
+
+    def release(self) -> None:
+        """Drop the buffers (another set took the parameters elsewhere); the next call makes new ones."""
+        self.buffers, self.at, self.ptrs, self.expected = (), [], [], ()
+        for slot in self.slots:
+            slot.buffer = None
+        self.owners.clear()
+
     def rebind(self, args) -> bool:
         """Make the buffers (first call) or copy into them the parameters of args that are not their
         slices; every parameter is then rebound to its slice. Returns whether anything was copied."""
@@ -105,6 +140,7 @@ class _ParamSet:
                     param = args[i]
                     if param.data_ptr() == piece.data_ptr():
                         self.owners[(n, i)] = weakref.ref(param)
+                        _claim(param, self)
                         continue
                     if param.shape != piece.shape or param.dtype != piece.dtype or param.device != piece.device:
                         raise RuntimeError(
@@ -117,6 +153,7 @@ class _ParamSet:
                     piece.copy_(param.detach())
                     param.data = piece
                     self.owners[(n, i)] = weakref.ref(param)
+                    _claim(param, self)
                     copied = True
         self.expected = tuple(pair for slot in self.slots for pair in slot.expected())
         self.at, self.ptrs = compat.address_check(self.expected, self.plan.original_inputs)
@@ -156,9 +193,10 @@ class MergedParams:
 
     def __call__(self, *args):
         current = self._current  # one read: another thread may switch it
-        if current is None or not current.matches(list(args)):
-            current = self._resolve(list(args))
-        return self.compiled(*args, *current.buffers)
+        buffers = current.buffers if current is not None else ()  # before the check: a release may follow it
+        if not (buffers and current.matches(list(args))):
+            buffers = self._resolve(list(args)).buffers
+        return self.compiled(*args, *buffers)
 
     def __getattr__(self, name: str) -> Any:
         if name in ("compiled", "_current", "_sets"):
