@@ -11,6 +11,7 @@
 #   bash bench/gpu_check.sh hfgen   python bench/hf_generate.py (cold/warm process ready time; extra args go to it)
 #   bash bench/gpu_check.sh hfprofile  python bench/hf_decode_profile.py (extra args go to it)
 #   bash bench/gpu_check.sh floor   python bench/inference_floor.py (extra args go to it)
+#   bash bench/gpu_check.sh attn    python bench/decode_attention_op.py, then the decode-attention GPU tests
 #   bash bench/gpu_check.sh train   python bench/checkpoint_training.py --device cuda (extra args go to it)
 # Logs go to $OUT (or /tmp/torch_ext_gpu).
 set -o pipefail
@@ -41,6 +42,9 @@ case "$what" in
   train) timeout "${TRAIN_TIMEOUT:-560}" python3 bench/checkpoint_training.py --device cuda "$@" 2>&1 | tee "$OUT/checkpoint_training.log" ;;
   floor) timeout "${FLOOR_TIMEOUT:-560}" python3 bench/inference_floor.py "$@" 2>&1 | grep -v "GuardFree\|_guarded_call" \
            | tee "$OUT/inference_floor.log" ;;
+  attn) timeout 120 python3 bench/decode_attention_op.py "$@" 2>&1 | tee "$OUT/decode_attention_op.log"
+        timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_attention_gpu.py 2>&1 \
+          | tee "$OUT/decode_attention_gpu_tests.log" | tail -5 ;;
   hfgen) timeout "${HF_TIMEOUT:-540}" python3 bench/hf_generate.py "$@" 2>&1 | tee "$OUT/hf_generate.log" ;;
   hfprofile) timeout "${HF_TIMEOUT:-420}" python3 bench/hf_decode_profile.py "$@" 2>&1 | tee "$OUT/hf_profile.log" ;;
   profile) timeout 250 python3 bench/decode_profile.py 2>&1 | tee "$OUT/profile.log"
