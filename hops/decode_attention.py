@@ -29,6 +29,7 @@ __all__ = ["decode_attention", "decode_attention_reference", "decode_attention_t
 
 _BLOCK_N = 64  # cache positions per tile
 _TARGET_PROGRAMS = 264  # about two waves of an H100's 132 SMs
+_NUM_WARPS, _NUM_STAGES = 4, 3  # Triton's defaults, named for bench/decode_attention_op.py sweeps
 
 
 def decode_attention_reference(q, k, v, mask, scale: float) -> torch.Tensor:
@@ -99,7 +100,7 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
             v.stride(0), v.stride(1), v.stride(2), v.stride(3), ms[0], ms[1], ms[3], out.stride(0), out.stride(1),
             h, groups, length, per_split, d, splits)
     flags = dict(HAS_MASK=mask is not None, BOOL_MASK=is_bool, DIRECT=direct, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
-                 num_warps=4)
+                 num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
     if groups > 1:  # tl.dot needs 16 rows: the group's heads, padded
         flags["BLOCK_D"] = max(16, block_d)  # tl.dot's smallest K
         grouped_kernel[(rows, splits)](*args, BLOCK_G=max(16, triton.next_power_of_2(groups)),
