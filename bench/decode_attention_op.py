@@ -2,11 +2,13 @@
 read once) against one per query head over the repeated cache (what the kernel did before: the same
 math, each cache byte read `groups` times), and SDPA over HF's repeat_kv.
 
-    python bench/decode_attention_op.py [--shapes 8x16x4x2048,1x16x4x2048,32x32x8x1024]
+    python bench/decode_attention_op.py [--shapes 8x16x4x2048,...] [--sweep]
 
 Shapes are batch x heads x kv heads x cache length, head dim 128, bf16, a bool mask over the cache.
-Microseconds per call (CUDA events over replays of a CUDA graph of 50 calls), and x floor: the cache bytes
-(k and v, read once) / device-to-device copy bandwidth.
+Microseconds per call (CUDA events over replays of a CUDA graph of 48 calls, cycling through copies of
+the cache that together pass any L2), and x floor: the cache bytes (k and v, read once) /
+device-to-device copy bandwidth. --sweep times every (tile, warps, stages) of each shape's kernel
+against the op's default (hops/decode_attention.py's _CONFIG).
 """
 from __future__ import annotations
 
@@ -20,19 +22,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def per_call_us(fn, calls: int = 50, replays: int = 20) -> float:
+def per_call_us(fns, calls: int = 48, replays: int = 20) -> float:
     """GPU time per call: `calls` calls captured in one CUDA graph (as the op runs inside a model's
-    graph), replayed; eager timing would measure Python and Triton's launch path (~70-120 us)."""
+    graph), replayed; eager timing would measure Python and Triton's launch path (~70-120 us). The
+    calls cycle through `fns` (one per copy of the cache, together larger than L2)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
+        for fn in fns:
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fns[i % len(fns)]()
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -46,7 +49,8 @@ def per_call_us(fn, calls: int = 50, replays: int = 20) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="8x16x4x2048,1x16x4x2048,32x32x8x1024")
+    parser.add_argument("--shapes", default="8x16x4x2048,1x16x4x2048,32x32x8x1024,32x16x16x256,1x16x16x256")
+    parser.add_argument("--sweep", action="store_true", help="every tile / warps / stages config of each kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/decode_attention_op.py needs a CUDA GPU.")
@@ -56,29 +60,64 @@ def main() -> int:
     from torch_ext.hops.decode_attention import decode_attention_triton
 
     bandwidth = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, head dim 128; copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s; us per call (x floor)")
     rows = []
     for shape in args.shapes.split(","):
         b, h, hkv, length = (int(x) for x in shape.split("x"))
         d, n = 128, h // hkv
         q = torch.randn(b, h, 1, d, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(b, hkv, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        cache_bytes = 2 * b * hkv * length * d * 2
+        copies = max(1, -(-256 * 2**20 // cache_bytes))  # 256 MiB in all: beyond any L2
+        caches = [[torch.randn(b, hkv, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+                  for _ in range(copies)]
         mask = torch.rand(b, 1, 1, length, device="cuda") > 0.1
-        kr, vr = k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1)
-        grouped = per_call_us(lambda: decode_attention_triton(q, k, v, mask, d ** -0.5))
-        per_head = per_call_us(lambda: decode_attention_triton(q, kr, vr, mask, d ** -0.5))
-        sdpa = per_call_us(lambda: torch.nn.functional.scaled_dot_product_attention(
+        floor = cache_bytes / bandwidth * 1e6
+
+        def op(k, v):
+            return lambda: decode_attention_triton(q, k, v, mask, d ** -0.5)
+
+        if args.sweep:
+            sweep(shape, floor, q, caches, mask, op)
+            continue
+        repeated = [[t.repeat_interleave(n, dim=1) for t in c] for c in caches[:max(1, copies // n)]]
+        grouped = per_call_us([op(k, v) for k, v in caches])
+        per_head = per_call_us([op(k, v) for k, v in repeated])
+        sdpa = per_call_us([lambda k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
             q, k[:, :, None].expand(b, hkv, n, length, d).reshape(b, h, length, d),
-            v[:, :, None].expand(b, hkv, n, length, d).reshape(b, h, length, d), attn_mask=mask, scale=d ** -0.5))
-        err = (decode_attention_triton(q, k, v, mask, d ** -0.5).float()
-               - decode_attention_triton(q, kr, vr, mask, d ** -0.5).float()).abs().max().item()
-        floor = 2 * k.numel() * k.element_size() / bandwidth * 1e6
+            v[:, :, None].expand(b, hkv, n, length, d).reshape(b, h, length, d), attn_mask=mask, scale=d ** -0.5)
+            for k, v in caches])
+        (k, v), (kr, vr) = caches[0], repeated[0]
+        err = (op(k, v)().float() - op(kr, vr)().float()).abs().max().item()
         rows.append([shape, f"{floor:.1f}", f"{grouped:.1f} ({grouped / floor:.2f})",
                      f"{per_head:.1f} ({per_head / floor:.2f})", f"{sdpa:.1f} ({sdpa / floor:.2f})", f"{err:.1e}"])
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, head dim 128; copy bandwidth "
-          f"{bandwidth / 1e12:.2f} TB/s; us per call (x floor)")
-    print_table(["b x h x hkv x L", "floor us", "grouped (now)", "per query head (before)", "SDPA + repeat_kv",
-                 "max |grouped - per head|"], rows)
+    if rows:
+        print_table(["b x h x hkv x L", "floor us", "the op (grouped where hkv < h)", "per query head",
+                     "SDPA + repeat_kv", "max |grouped - per head|"], rows)
     return 0
+
+
+def sweep(shape, floor, q, caches, mask, op) -> None:
+    """Every (tile, warps, stages) of the kernel this shape runs, against the op's default."""
+    import itertools
+
+    from torch_ext.hops import decode_attention as module
+
+    kind = "grouped" if q.shape[1] > caches[0][0].shape[1] else "per_head"
+    default = module._CONFIG[kind]
+    reference = module.decode_attention_reference(q, *caches[0], mask, q.shape[-1] ** -0.5).float()
+    timed = []
+    try:
+        for config in itertools.product([32, 64, 128], [2, 4, 8], [1, 2, 3]):
+            module._CONFIG[kind] = config
+            err = (op(*caches[0])().float() - reference).abs().max().item()
+            timed.append((per_call_us([op(k, v) for k, v in caches], calls=24, replays=10), config, err))
+    finally:
+        module._CONFIG[kind] = default
+    timed.sort()
+    now = next(t for t in timed if t[1] == default)
+    print(f"{shape} ({kind}): floor {floor:.1f} us; default {default}: {now[0]:.1f} us; best: "
+          + ", ".join(f"{us:.1f} {config} (err {err:.0e})" for us, config, err in timed[:4]))
 
 
 if __name__ == "__main__":

@@ -27,9 +27,11 @@ from torch_ext.hops.fused_add_rms_norm import has_triton
 
 __all__ = ["decode_attention", "decode_attention_reference", "decode_attention_triton"]
 
-_BLOCK_N = 64  # cache positions per tile
 _TARGET_PROGRAMS = 264  # about two waves of an H100's 132 SMs
-_NUM_WARPS, _NUM_STAGES = 4, 3  # Triton's defaults, named for bench/decode_attention_op.py sweeps
+# Per kernel: (cache positions per tile, warps, pipeline stages). The best of a sweep over 32/64/128 x
+# 2/4/8 x 1/2/3 on an H200 (`bench/decode_attention_op.py --sweep`): stages 2 beat Triton's 3 by up to
+# 14% (grouped, 32x32x8x1024), the per-head kernel prefers small tiles (16% at 32x16x16x256).
+_CONFIG = {"grouped": (64, 4, 2), "per_head": (32, 2, 2)}
 
 
 def decode_attention_reference(q, k, v, mask, scale: float) -> torch.Tensor:
@@ -81,9 +83,10 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
     # Grouped heads: one program serves the query heads of one kv head, so each cache byte is read once
     # (a program per query head read it `groups` times: 4.3x the cache's bytes, H100, 4 of 16 heads).
     rows = b * hkv if groups > 1 else b * h
-    tiles = triton.cdiv(length, _BLOCK_N)
+    block_n, warps, stages = _CONFIG["grouped" if groups > 1 else "per_head"]
+    tiles = triton.cdiv(length, block_n)
     splits = max(1, min(tiles, triton.cdiv(_TARGET_PROGRAMS, rows)))
-    per_split = triton.cdiv(tiles, splits) * _BLOCK_N
+    per_split = triton.cdiv(tiles, splits) * block_n
     splits = triton.cdiv(length, per_split)
     # One split: no partials (the kernel writes `out`; the argument is unused).
     partial = torch.empty((b * h, splits, d + 2), dtype=torch.float32, device=q.device) if splits > 1 else out
@@ -99,8 +102,8 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
             q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
             v.stride(0), v.stride(1), v.stride(2), v.stride(3), ms[0], ms[1], ms[3], out.stride(0), out.stride(1),
             h, groups, length, per_split, d, splits)
-    flags = dict(HAS_MASK=mask is not None, BOOL_MASK=is_bool, DIRECT=direct, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
-                 num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+    flags = dict(HAS_MASK=mask is not None, BOOL_MASK=is_bool, DIRECT=direct, BLOCK_N=block_n, BLOCK_D=block_d,
+                 num_warps=warps, num_stages=stages)
     if groups > 1:  # tl.dot needs 16 rows: the group's heads, padded
         flags["BLOCK_D"] = max(16, block_d)  # tl.dot's smallest K
         grouped_kernel[(rows, splits)](*args, BLOCK_G=max(16, triton.next_power_of_2(groups)),
