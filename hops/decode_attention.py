@@ -29,9 +29,11 @@ __all__ = ["decode_attention", "decode_attention_reference", "decode_attention_t
 
 _TARGET_PROGRAMS = 264  # about two waves of an H100's 132 SMs
 # Per kernel: (cache positions per tile, warps, pipeline stages). The best of a sweep over 32/64/128 x
-# 2/4/8 x 1/2/3 on an H200 (`bench/decode_attention_op.py --sweep`): stages 2 beat Triton's 3 by up to
-# 14% (grouped, 32x32x8x1024), the per-head kernel prefers small tiles (16% at 32x16x16x256).
-_CONFIG = {"grouped": (64, 4, 2), "per_head": (32, 2, 2)}
+# 2/4/8 x 1/2/3 on an H200 (`bench/decode_attention_op.py --sweep`, bench/results/decode_attention_sweep*):
+# stages 2 or 3 beat Triton's default by up to 10%; the per-head kernel wants small tiles where each row
+# is one program walking its whole cache (21 vs 24 us at 32x16x16x256), large ones where rows split it
+# (37 vs 47 us at 8x16x16x2048).
+_CONFIG = {"grouped": (64, 4, 2), "per_head": (64, 4, 2), "per_head_one_split": (32, 2, 2)}
 
 
 def decode_attention_reference(q, k, v, mask, scale: float) -> torch.Tensor:
@@ -83,7 +85,8 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
     # Grouped heads: one program serves the query heads of one kv head, so each cache byte is read once
     # (a program per query head read it `groups` times: 4.3x the cache's bytes, H100, 4 of 16 heads).
     rows = b * hkv if groups > 1 else b * h
-    block_n, warps, stages = _CONFIG["grouped" if groups > 1 else "per_head"]
+    kind = "grouped" if groups > 1 else "per_head" if rows < _TARGET_PROGRAMS else "per_head_one_split"
+    block_n, warps, stages = _CONFIG[kind]
     tiles = triton.cdiv(length, block_n)
     splits = max(1, min(tiles, triton.cdiv(_TARGET_PROGRAMS, rows)))
     per_split = triton.cdiv(tiles, splits) * block_n
