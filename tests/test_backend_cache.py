@@ -55,6 +55,7 @@ def test_pack_unpack_roundtrip_and_damage():
             cache_mod.unpack(damaged)
 
 
+@pytest.mark.slow
 def test_second_process_loads_everything_and_compiles_nothing(tmp_path):
     _compile_and_check(tmp_path)  # this process compiles: the worker runs the same model and config
     assert counters.inductor_compiles == counters.cache_misses == UNIQUE_VARIANTS
@@ -68,6 +69,7 @@ def test_second_process_loads_everything_and_compiles_nothing(tmp_path):
     assert len(model_dirs(tmp_path)) == 1  # one model key for both processes
 
 
+@pytest.mark.slow
 def test_four_processes_compile_into_one_fresh_cache(tmp_path):
     barrier = tmp_path / "barrier"
     barrier.mkdir()
@@ -91,6 +93,7 @@ def test_four_processes_compile_into_one_fresh_cache(tmp_path):
         cache_mod.unpack(open(path, "rb").read())
 
 
+@pytest.mark.slow
 def test_writer_killed_mid_write_leaves_no_entry_and_no_stuck_lock(tmp_path):
     proc = subprocess.Popen([sys.executable, WORKER, str(tmp_path), "--hang-before-commit"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

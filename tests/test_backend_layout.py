@@ -137,6 +137,7 @@ def test_a_splitting_op_whose_fake_disagrees_is_named(caplog):
     assert "torch_ext_test_layout::scale" in said[0].getMessage() and "fake kernel" in said[0].getMessage()
 
 
+@pytest.mark.slow
 def test_phi3_trains_through_the_backend_like_eager():
     """Hugging Face's Phi-3 (tiny, random weights), split at its attention: failed on Inductor's
     stride assert before layout.py; loss, logits and every gradient now equal eager's."""

@@ -139,6 +139,7 @@ def test_recompute_draws_the_forward_random_numbers():
         assert not torch.allclose(out, torch.ops.torch_ext_test.attention_fn(h, h, h).sum() * model.s)
 
 
+@pytest.mark.slow
 def test_hf_gradient_checkpointing_split_at_sdpa():
     """transformers' gradient checkpointing (non-reentrant) on a Llama, split at its SDPA calls."""
     model = hf_models.build("llama")
@@ -181,6 +182,7 @@ print(json.dumps({"counters": counters.snapshot(), "grad": x.grad.double().sum()
 """
 
 
+@pytest.mark.slow
 def test_training_pieces_load_from_the_disk_cache_in_a_new_process(tmp_path):
     """Pieces compiled with gradients (a checkpoint region's, and those around it) are saved and a
     second process loads them all (2.10-2.12 compile their backward up front for it); torch 2.9.1

@@ -55,6 +55,7 @@ print("WORST", worst)
 '''
 
 
+@pytest.mark.slow
 def test_triton_kernels_equal_a_float64_reference_in_the_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")

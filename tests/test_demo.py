@@ -63,6 +63,7 @@ def test_torch29_part_says_how_to_get_the_venv_when_absent(monkeypatch, tmp_path
     assert "skipped: no .venv-torch2.9.1 here; `make test-2.9.1` builds it" in out
 
 
+@pytest.mark.slow
 def test_torch29_part_runs_its_probe_in_the_other_interpreter(monkeypatch, capsys):
     # This interpreter stands in for the 2.9.1 venv: the same subprocess, JSON and report.
     monkeypatch.setattr(torch29, "find_python", lambda: Path(sys.executable))

@@ -49,6 +49,7 @@ def run_ranks(mode: str, tmp_path, *extra: str) -> list[dict]:
     return [json.loads(out.strip().splitlines()[-1]) for out in outputs]
 
 
+@pytest.mark.slow
 def test_local_map_on_a_real_mesh_matches_eager_on_every_rank(tmp_path):
     results = run_ranks("local_map", tmp_path)
     assert [r["rank"] for r in results] == [0, 1]
@@ -56,6 +57,7 @@ def test_local_map_on_a_real_mesh_matches_eager_on_every_rank(tmp_path):
         assert set(r["max_error"]) == {"eager", "aot_eager", "inductor"}
 
 
+@pytest.mark.slow
 def test_tensor_parallel_decoder_through_the_backend_is_cached_per_rank(tmp_path):
     cache_dir = tmp_path / "cache"
     cold = run_ranks("tp_decoder", tmp_path, str(cache_dir))

@@ -146,6 +146,7 @@ def test_compiling_a_model_with_generate_says_to_compile_its_forward(fx_pieces):
     assert counters.graphs_seen >= 1 and torch.equal(generated, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guard_free", [False, True])
 def test_generates_own_compile_stays_off_around_a_torch_ext_forward(fx_pieces, tmp_path, guard_free):
     """generate compiles model.__call__ itself for a static cache on a GPU (forced here on the CPU with

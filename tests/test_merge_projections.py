@@ -112,6 +112,7 @@ def _mm_events(fn, *args, **kwargs) -> int:
     return names["aten::mm"] + names["aten::addmm"]
 
 
+@pytest.mark.slow
 def test_profiler_shows_fewer_gemms_than_inductor():
     model = hf.build("llama").eval()
     ids = hf.token_ids(1, 8)
@@ -122,6 +123,7 @@ def test_profiler_shows_fewer_gemms_than_inductor():
     assert ours == inductor - 3 * hf.LAYERS  # q/k/v: 3 -> 1, gate/up: 2 -> 1
 
 
+@pytest.mark.slow
 def test_no_second_copy_of_the_weights():
     model = hf.build("llama").eval()
     grouped = [p for layer in model.model.layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,

@@ -50,6 +50,7 @@ def case(tmp_path):
     return AddNorm(), (torch.randn(4, 16), torch.randn(4, 16)), tmp_path
 
 
+@pytest.mark.slow
 def test_unchanged_pass_hits_and_changed_pass_misses(case):
     model, inputs, cache_dir = case
     cold, fused = _run(model, inputs, cache_dir, (FuseAddRMSNormPass(),))

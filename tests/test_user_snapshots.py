@@ -213,6 +213,7 @@ def _run_pytest(folder, accept=False, env=None):
     return result.returncode, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_user_suite_records_its_snapshot_beside_its_tests(tmp_path):
     tests = tmp_path / "project" / "tests"
     tests.mkdir(parents=True)
@@ -238,6 +239,7 @@ def test_user_suite_records_its_snapshot_beside_its_tests(tmp_path):
     assert not _package_tree_snapshots()
 
 
+@pytest.mark.slow
 def test_user_suite_ini_options_choose_folder_and_primary(tmp_path):
     """With the plugin: the folder is relative to the ini file (pytest runs in tests/); a primary
     that is not the running torch leaves the running one its own file; TORCH_EXT_SNAPSHOT_PRIMARY
@@ -281,6 +283,7 @@ class TestBlock(expecttest.TestCase):
 '''
 
 
+@pytest.mark.slow
 def test_inline_form_round_trips_through_expecttest_accept(tmp_path):
     test_file = tmp_path / "test_inline.py"
     test_file.write_text(INLINE_TEST)

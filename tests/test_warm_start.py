@@ -102,6 +102,7 @@ def calls(compiled, model, sizes=(4, 6, 1), dtype=torch.float32):
     return outs
 
 
+@pytest.mark.slow
 @aot_only
 def test_new_process_runs_the_saved_program_without_tracing(tmp_path):
     cold = run_worker(tmp_path, "--sizes", "4,6,9")
@@ -122,6 +123,7 @@ def test_new_process_runs_the_saved_program_without_tracing(tmp_path):
     assert plain["dynamo_frames"].get("total", 0) > 0 and plain["counters"]["warm_start_loads"] == 0
 
 
+@pytest.mark.slow
 @aot_only
 def test_guard_free_dispatch_arms_the_loaded_program(tmp_path):
     cold = run_worker(tmp_path, "--guard-free", "--fx-pieces", "--sizes", "4,6,1,9")
@@ -430,6 +432,7 @@ def test_transformers_model_warm_starts(tmp_path, fx_pieces):
     torch.testing.assert_close(warm, cold, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @aot_only
 def test_a_forward_whose_floats_dynamo_specializes_on_a_restart_warm_starts(tmp_path):
     """A tanh-GELU head reads the global float math.pi, which Dynamo leaves unspecialized under

@@ -30,6 +30,7 @@ def finish(proc) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_three_processes_starting_together_trace_and_save_once(tmp_path):
     barrier = tmp_path / "barrier"
     barrier.mkdir()
@@ -49,6 +50,7 @@ def test_three_processes_starting_together_trace_and_save_once(tmp_path):
     cache_mod.unpack(open(entry, "rb").read())
 
 
+@pytest.mark.slow
 def test_writer_killed_mid_write_leaves_no_entry_and_no_stuck_lock(tmp_path):
     proc = subprocess.Popen([sys.executable, WORKER, str(tmp_path), "--fx-pieces", "--hang-before-commit"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -15,7 +16,8 @@ from torch_ext import compat
 
 pytest.importorskip("transformers")
 WORKER = os.path.join(os.path.dirname(__file__), "hf_generate_worker.py")
-pytestmark = pytest.mark.skipif(not compat.HAS_AOT_COMPILE, reason="this torch has no AOT compile: no warm start")
+pytestmark = [pytest.mark.skipif(not compat.HAS_AOT_COMPILE, reason="this torch has no AOT compile: no warm start"),
+              pytest.mark.slow]  # each test runs two or three fresh processes (~15 s each on CI)
 
 
 def run_worker(cache_dir, *extra, timeout=600):
@@ -43,18 +45,26 @@ def test_second_process_loads_generate_programs_and_gives_eagers_tokens(tmp_path
         assert again["counters"]["inductor_compiles"] == 0 and again["counters"]["cache_hits"] > 0
 
 
+@pytest.fixture(scope="module")
+def saved_default_model(tmp_path_factory):
+    """The cache dir of one process of the default model (copied by each test that starts from it)."""
+    cache_dir = tmp_path_factory.mktemp("default_model")
+    first = run_worker(cache_dir, "--fx-pieces")
+    assert warm(first["counters"]) == (0, 2, 0)
+    return cache_dir
+
+
 @pytest.mark.parametrize("change", [("--layers", "3"), ("--dtype", "float64"), ("--rope-theta", "500.0")],
                          ids=["config layers", "dtype", "config value"])
-def test_changed_config_or_dtype_does_not_load_the_old_program(tmp_path, change):
-    first = run_worker(tmp_path, "--fx-pieces")
-    assert warm(first["counters"]) == (0, 2, 0)
+def test_changed_config_or_dtype_does_not_load_the_old_program(tmp_path, saved_default_model, change):
+    shutil.copytree(saved_default_model, tmp_path, dirs_exist_ok=True)
     changed = run_worker(tmp_path, "--fx-pieces", *change)
     assert warm(changed["counters"]) == (0, 2, 0)  # traced and saved anew, nothing loaded
     assert changed["tokens"] == changed["expected"]
 
 
-def test_another_prompt_length_gets_the_dynamic_prefill_saved_for_the_next_process(tmp_path):
-    run_worker(tmp_path, "--fx-pieces", "--prompt", "6")
+def test_another_prompt_length_gets_the_dynamic_prefill_saved_for_the_next_process(tmp_path, saved_default_model):
+    shutil.copytree(saved_default_model, tmp_path, dirs_exist_ok=True)  # the default prompt: 6 tokens
     longer = run_worker(tmp_path, "--fx-pieces", "--prompt", "9")
     # generate sizes the static cache to prompt + new tokens: both saved programs load and refuse the
     # calls (other sizes), both dynamic ones are traced and saved

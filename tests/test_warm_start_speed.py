@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 
+import pytest
 import torch
 import torch.fx as fx
 
@@ -99,6 +100,7 @@ def test_torch_sources_stamp_follows_module_files(tmp_path, monkeypatch):
     inductor_keys.torch_sources_stamp.cache_clear()
 
 
+@pytest.mark.slow
 @aot_only
 def test_new_process_takes_the_saved_torch_key_and_compiles_from_the_saved_graph(tmp_path):
     cold = run_worker(tmp_path, "--sizes", "4,6", "--compile-sizes", "9")
