@@ -21,6 +21,9 @@ def _fresh_dynamo():
     backend's counters at zero (when a test has loaded the backend)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
+    entry = sys.modules.get("torch_ext.backend.dispatch.entry")
+    if entry is not None:  # torch_ext.compile's shared backends: each test compiles afresh
+        entry._backends.clear()
     backend_counters = sys.modules.get("torch_ext.backend.counters")
     if backend_counters is not None:
         backend_counters.counters.reset()

@@ -10,6 +10,7 @@ fixed addresses.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -148,12 +149,18 @@ SPLITTING_OPS = ("torch_ext_cg::cache_attention", "torch_ext_cg::decode_attentio
 
 
 class SimulatedGraph:
+    """Holds its tensor inputs weakly, as a CUDA graph holds only their addresses: the runner must
+    keep alive what its graphs read (a replay over a freed input fails here)."""
+
     def __init__(self, fn, args, outs, single):
-        self.fn, self.args, self.outs, self.single = fn, args, outs, single
+        self.fn, self.outs, self.single = fn, outs, single
+        self.args = [weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in args]
 
     def replay(self):
+        args = [a() if isinstance(a, weakref.ref) else a for a in self.args]
+        assert all(a is not None for a in args), "a simulated graph replayed over a freed input"
         with torch.no_grad():
-            new = self.fn(*self.args)
+            new = self.fn(*args)
         new = [new] if self.single else list(new)
         for old, value in zip(self.outs, new):
             if isinstance(old, torch.Tensor) and old is not value:

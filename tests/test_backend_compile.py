@@ -11,6 +11,7 @@ import torch
 from torch_ext import compat
 
 import backend_models as bm
+import torch_ext
 import torch_ext.backend
 from torch_ext.backend import CompileConfig, counters, make_backend
 
@@ -339,3 +340,33 @@ def test_floats_computed_before_a_splitting_op_are_read_after_it(specialize_floa
             torch.testing.assert_close(compiled(x), _scaled_attention(x))
     floats = [n for n in graphs[0].graph.nodes if isinstance(n.meta.get("example_value"), torch.SymFloat)]
     assert floats, "the test needs Dynamo to record float calls"
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, h):
+        return h + self.down(torch.relu(self.up(h)))
+
+
+def test_layers_compiled_one_by_one_share_one_graph():
+    """Regional compilation with torch_ext.compile: ten identical layers compiled one by one with one
+    config object share one backend and so one Dynamo graph. A backend per call compiled each layer
+    anew and, past Dynamo's recompile limit (8), ran the last layers uncompiled. (Without a config,
+    warm start gives each layer a program of its own, compiled once: no Dynamo cache involved.)"""
+    layers = [_Block() for _ in range(10)]
+    cfg = config()
+    compiled = [torch_ext.compile(layer, cfg) for layer in layers]
+    with torch.no_grad():
+        x = torch.randn(4, 16)
+        h, expected = x, x
+        for fn, layer in zip(compiled, layers):
+            h, expected = fn(h), layer(expected)
+    torch.testing.assert_close(h, expected)
+    assert counters.graphs_seen == 1
+    # Another config object is another backend: its own graph.
+    with torch.no_grad():
+        torch_ext.compile(layers[0], config())(x)
+    assert counters.graphs_seen == 2

@@ -13,6 +13,7 @@ from torch import nn
 
 import cudagraph_models as cm
 from torch_ext.backend import CompileConfig, make_backend
+from torch_ext.backend.runtime.cudagraph.group import GraphKey
 from torch_ext.backend.runtime.cudagraph.manager import (
     CudaGraphAddressError,
     capture_sizes,
@@ -168,7 +169,7 @@ def test_residual_stream_is_read_in_place_and_attention_output_copied(fx_pieces,
     middle = [r for r in be.cudagraphs.runners() if r.name.endswith(("submod_2", "submod_4"))]
     assert len(middle) == 2
     for runner in middle:
-        entry = runner._entries[8]
+        entry = runner._entries[GraphKey(8)]
         # Inputs: the attention output (from the eager splitting op: copied) and the residual
         # stream (the previous graph's output: read where it is); weights read in place.
         copied = {runner.inputs[i].name for i in entry.buffers}
@@ -194,7 +195,7 @@ def test_static_shapes_read_the_residual_stream_in_place_too(fx_pieces):
     assert len(middle) == 2 and cudagraph_stats.replays > 0
     for runner in middle:
         assert runner.symbol is None
-        entry = runner._entries[None]
+        entry = runner._entries[GraphKey(None)]
         assert len(entry.buffers) == 1 and len(entry.reused) == 1  # attention output copied, residual read
 
 
@@ -210,11 +211,11 @@ def test_a_splitting_op_writing_into_a_buffer_of_the_graph_before_it_costs_no_co
     assert len(middle) == 2
     for runner in middle:
         for size in (8, 2):
-            entry = runner._entries[size]
+            entry = runner._entries[GraphKey(size)]
             assert entry.graph is not None and not entry.buffers, {runner.inputs[i].name for i in entry.buffers}
             assert len(entry.reused) == 2  # the residual stream and the attention result
     first = next(r for r in be.cudagraphs.runners() if r.name.endswith("submod_0"))
-    assert set(first._entries[8].buffers) == {0}  # only the model's input is copied
+    assert set(first._entries[GraphKey(8)].buffers) == {0}  # only the model's input is copied
     assert cudagraph_stats.replays > 0
 
 
@@ -302,12 +303,12 @@ def test_outputs_that_leave_the_graph_stay_owned(fx_pieces):
     run_against_eager(model, torch.compile(model, backend=be), [3, 3, 3])
     last = [r for r in be.cudagraphs.runners() if r.keep]
     assert len(last) == 1 and last[0].keep == {0}
-    entry = last[0]._entries[4]
+    entry = last[0]._entries[GraphKey(4)]
     # Owned: the caching allocator knows its memory (a non-owning view would not count in it).
     assert entry.outputs[0].untyped_storage().data_ptr() == entry.outputs[0].data_ptr() - \
         entry.outputs[0].storage_offset() * entry.outputs[0].element_size()
     first = [r for r in be.cudagraphs.runners() if not r.keep][0]
-    assert len(first._entries[4].outputs) == 4  # q, k, v and the residual: all non-owning
+    assert len(first._entries[GraphKey(4)].outputs) == 4  # q, k, v and the residual: all non-owning
 
 
 def test_calls_recording_autograd_run_without_graphs(fx_pieces):
@@ -362,9 +363,11 @@ def test_check_addresses_catches_a_replaced_parameter(fx_pieces):
 @pytest.mark.parametrize("merge", [True, False])
 def test_new_parameters_capture_the_graphs_again(fx_pieces, mode, merge):
     """load_state_dict(assign=True) puts new tensors in the module: a graph reading the old ones would
-    be silently stale. Their addresses are checked on every replay and a move captures again."""
+    be silently stale. Their addresses are checked on every replay: new parameters are a new weight
+    set, captured anew (the old set's graphs go with its tensors); new caches capture again."""
     model = cm.TinyDecoder(layers=2)
-    compiled = torch.compile(model, backend=backend(mode, merge_projections=merge))
+    be = backend(mode, merge_projections=merge)
+    compiled = torch.compile(model, backend=be)
     rows = mode == "piecewise"  # full graphs pad the splitting op: cache rows past the batch may differ
     run_against_eager(model, compiled, [3, 3, 3], full_cache=rows)
     captures = cudagraph_stats.captures
@@ -373,8 +376,55 @@ def test_new_parameters_capture_the_graphs_again(fx_pieces, mode, merge):
         model.head.weight.data = model.head.weight.data.clone()
     for seed in range(3):
         run_against_eager(model, compiled, [3, 3, 3], full_cache=rows, seed=seed + 1)
-    # Full graphs also read the caches in place: run_against_eager brings new ones each time.
-    assert cudagraph_stats.recaptures == (1 if rows else 3) and cudagraph_stats.captures > captures
+    # Full graphs also read the caches in place: run_against_eager brings new ones each time (the first
+    # time with the new weights: a new weight set, not a recapture).
+    assert cudagraph_stats.recaptures == (0 if rows else 2) and cudagraph_stats.captures > captures
+    groups = {r.group for r in be.cudagraphs.runners()}
+    assert [len(g._weight_sets) for g in groups] == [1] * len(groups)  # the old weights' graphs dropped
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_layers_compiled_one_by_one_replay_graphs_of_their_own(fx_pieces, mode):
+    """Regional compilation: identical layers compiled one by one share one Dynamo graph, each passing
+    its own parameters, which graphs read in place. Each layer's weights are a weight set with graphs
+    of its own: after warm-up every call replays (capturing again at each layer switch replayed nothing),
+    and a layer that is gone takes its graphs with it."""
+    layers = [cm.Layer(cm.D_MODEL) for _ in range(3)] if mode == "piecewise" else [Mlp() for _ in range(3)]
+    be = backend(mode)
+    compiled = [torch.compile(layer, backend=be, dynamic=True) for layer in layers]
+    ek, ev = cm.TinyDecoder(layers=3).caches()
+    ck, cv = [t.clone() for t in ek], [t.clone() for t in ev]
+
+    def step(fns, caches, x):
+        h = x
+        for i, fn in enumerate(fns):
+            h = fn(h, caches[0][i], caches[1][i], 3) if mode == "piecewise" else fn(h)
+        return h
+
+    with torch.no_grad():
+        for n in (4, 4, 4, 4, 3):
+            x = torch.randn(n, cm.D_MODEL)
+            torch.testing.assert_close(step(compiled, (ck, cv), x), step(layers, (ek, ev), x))
+    runners = [r for r in be.cudagraphs.runners() if r.capturable]
+    assert cudagraph_stats.captures == 3 * len(runners) and cudagraph_stats.recaptures == 0
+    assert cudagraph_stats.replays == 3 * 3 * len(runners)  # steps 3 to 5 (3 rows: padded to 4)
+    (group,) = {r.group for r in runners}
+    assert len(group._weight_sets) == 3
+    del compiled[1], layers[1]
+    with torch.no_grad():
+        step(compiled, (ck[::2], cv[::2]), torch.randn(4, cm.D_MODEL))
+        step([torch.compile(Mlp() if mode == "full" else cm.Layer(cm.D_MODEL), backend=be, dynamic=True)],
+             (ck, cv), torch.randn(4, cm.D_MODEL))  # a new set: the gone layer's set is dropped
+    assert len(group._weight_sets) == 3 and all(len(r._entries) <= 3 for r in runners)
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(cm.D_MODEL, 2 * cm.D_MODEL), nn.Linear(2 * cm.D_MODEL, cm.D_MODEL)
+
+    def forward(self, h):
+        return h + self.down(torch.relu(self.up(h)))
 
 
 # -- regions we do not pad or capture ----------------------------------------------------------
@@ -410,7 +460,7 @@ def test_region_writing_a_tensor_without_the_batch_dim_is_captured_only_at_exact
             torch.testing.assert_close(compiled(x, ck, cv, 2, cs), model(x, ek, ev, 2, es))
         torch.testing.assert_close(cs, es)  # padding rows never reach the scratch tensor
     (tail,) = [r for r in be.cudagraphs.runners() if r.exact_only]
-    assert list(tail._entries) == [4] and tail._entries[4].graph is not None
+    assert list(tail._entries) == [GraphKey(4)] and tail._entries[GraphKey(4)].graph is not None
     assert tail._plans[3].graph is None
     assert [size for _, size in be.cudagraphs.captured] == [4, 4]
 

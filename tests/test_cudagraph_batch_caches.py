@@ -11,6 +11,7 @@ import torch
 import cudagraph_models as cm
 from torch_ext.backend import CompileConfig, make_backend
 from torch_ext.backend.runtime.cudagraph.manager import cudagraph_stats
+from torch_ext.backend.runtime.cudagraph.group import GraphKey
 from test_cudagraph import fresh_stats, fx_pieces  # noqa: F401  (fixtures: fresh stats, pieces as FX graphs)
 
 SIZES = (2, 4, 8)
@@ -67,7 +68,7 @@ def test_caches_with_the_batch_dim_are_read_in_place_at_capture_sizes(fx_pieces,
     assert all(len(pinned_inputs(r)) >= 2 for r in runners)
     for runner in runners:
         for size in SIZES:
-            entry = runner._entries[(size, True)]
+            entry = runner._entries[GraphKey(size)]
             assert entry.graph is not None
             assert not set(entry.buffers) & {i for i, s in enumerate(runner.inputs) if s.role == "pinned"}
     # Only the model's input and eager attention results are copied: a few KiB, no cache.
@@ -85,7 +86,7 @@ def test_padded_calls_copy_the_cache_in_graphs_of_their_own(fx_pieces, mode):
     for i, n in enumerate([4, 4, 4, 3, 3, 3, 3, 4, 3, 4]):
         caches.run(compiled, n, first=i == 0)
     runner = next(r for r in be.cudagraphs.runners() if r.pins_rows)
-    exact, padded = runner._entries[(4, True)], runner._entries[(4, False)]
+    exact, padded = runner._entries[GraphKey(4)], runner._entries[GraphKey(4, padded=True)]
     assert exact.graph is not None and padded.graph is not None
     pinned = {i for i, s in enumerate(runner.inputs) if s.role == "pinned"}
     assert not pinned & set(exact.buffers) and pinned <= set(padded.buffers) and pinned <= padded.copy_back

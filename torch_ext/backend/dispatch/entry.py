@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 import warnings
+import weakref
 
 import torch
 
@@ -20,7 +22,7 @@ class GenerateCallsForwardWarning(UserWarning):
 
 def compile(model, config=None, *, dynamic: bool | None = None):
     """torch.compile with the torch_ext backend; with config.guard_free_dispatch, a GuardFreeDispatcher."""
-    backend = TorchExtBackend(config)
+    backend = _backend_for(model, config)
     if backend.config.guard_free_dispatch:
         compiled = GuardFreeDispatcher(model, backend, dynamic=dynamic, debug_dir=backend.config.debug_dump_dir,
                                        warm_start=True)
@@ -37,6 +39,33 @@ def compile(model, config=None, *, dynamic: bool | None = None):
         # Hugging Face's generate() calls self.forward, never this wrapper: say so where it is called.
         object.__setattr__(compiled, "generate", _generate_that_says(model))
     return compiled
+
+
+# torch_ext.compile calls with the same config object (or none) on modules of one forward share a
+# backend: (id(config) or 0, forward's code) -> (config, weakref to the backend).
+_backends: dict[tuple[int, object], tuple[object, weakref.ref]] = {}
+_backends_lock = threading.Lock()
+
+
+def _backend_for(model, config) -> TorchExtBackend:
+    """One backend for the layers of a model compiled one by one (regional compilation). Dynamo
+    guards on the backend object: a backend per call compiled every layer anew and, past
+    torch._dynamo.config.recompile_limit (8), ran the remaining layers uncompiled. Shared, they share
+    one graph, whose CUDA graphs keep a weight set per layer (runtime/cudagraph/group.py)."""
+    func, _ = forward_of(model)
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return TorchExtBackend(config)
+    key = (0 if config is None else id(config), code)
+    with _backends_lock:
+        known = _backends.get(key)
+        backend = known[1]() if known is not None and known[0] is config else None
+        if backend is None:
+            backend = TorchExtBackend(config)
+            for stale in [k for k, (_, ref) in _backends.items() if ref() is None]:
+                del _backends[stale]
+            _backends[key] = (config, weakref.ref(backend))
+    return backend
 
 
 def _no_compile_around(model) -> None:

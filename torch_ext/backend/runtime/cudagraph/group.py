@@ -6,12 +6,29 @@ need no import of manager.py, which builds them).
 """
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from typing import Any, Callable, Protocol
 
 import torch
 import tqdm
 
 WARMUP, CAPTURE, REPLAY = "warmup", "capture", "replay"
+# Weight sets a group keeps graphs for (regional compilation: one per layer sharing the compiled
+# graph). Beyond it the oldest set's graphs are dropped (captured again when its layer comes back).
+MAX_WEIGHT_SETS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphKey:
+    """What the graphs of one forward call are kept under, by every runner of a group."""
+
+    size: Any  # the capture size (None: a graph without a dynamic dim)
+    padded: bool = False  # graphs of padded calls where the group pins rows: they copy those inputs
+    weights: int = 0  # the weight set (RunnerGroup.choose_weights)
+
+    def label(self) -> str:
+        return f"{self.size}{' (padded calls)' if self.padded else ''}{f' weights {self.weights}' if self.weights else ''}"
 
 
 class GraphServices(Protocol):
@@ -47,6 +64,14 @@ class RunnerGroup:
         self.capture_call: dict[Any, int] = {}  # capture size -> the call that captures it
         self._bars: dict[Any, Any] = {}
         self._pins_rows: bool | None = None  # decided at the first call, once every runner is in
+        # Weight sets: identical layers compiled one by one (regional compilation) share this group,
+        # each passing its own parameters, which graphs read in place. The leader names the set of
+        # each forward call by its parameters' addresses; every runner keeps graphs per set, so a
+        # layer switch replays the layer's own graphs instead of capturing again (as CUDA graph
+        # trees keep a recording per set of static input addresses).
+        self.weights = 0  # the set of the forward call now running
+        self._weight_sets: dict[tuple[int, ...], tuple[int, list]] = {}  # addresses -> (set, weakrefs)
+        self._next_weights = 0
 
     def add(self, runner) -> None:
         self.runners.append(runner)
@@ -57,14 +82,44 @@ class RunnerGroup:
             self.leader = runner
             runner.is_leader = True
 
-    def key(self, size, n):
-        """What the graphs of a call at batch n are kept under: its capture size, or (size, exact)
-        where a runner reads an input with the batch dim in place (a KV cache per batch size) at exact
-        sizes only, so padded calls get graphs of their own (that input copied). One key for the whole
-        group: its runners capture a key in one forward call."""
+    def key(self, size, n) -> GraphKey:
+        """What the graphs of a call at batch n are kept under: its capture size; padded calls get
+        graphs of their own where a runner reads an input with the batch dim in place (a KV cache per
+        batch size) at exact sizes only (that input copied); and the weight set of the call. One key
+        for the whole group: its runners capture a key in one forward call."""
         if self._pins_rows is None:
             self._pins_rows = any(r.pins_rows and r.capturable for r in self.runners)
-        return (size, n == size) if self._pins_rows else size
+        return GraphKey(size, bool(self._pins_rows) and n != size, self.weights)
+
+    def choose_weights(self, tensors: list[torch.Tensor]) -> None:
+        """The leader's parameters and buffers of this forward call (read in place) name its weight
+        set; a new set first drops the sets whose tensors are gone (a model deleted or reloaded with
+        assign=True), then the oldest beyond MAX_WEIGHT_SETS."""
+        addresses = tuple(t.data_ptr() for t in tensors)
+        known = self._weight_sets.get(addresses)
+        if known is not None and _alive(addresses, known[1]):
+            self.weights = known[0]
+            return
+        for other, (ws, refs) in list(self._weight_sets.items()):
+            if not _alive(other, refs):
+                self._drop_weights(other)
+        if len(self._weight_sets) >= MAX_WEIGHT_SETS:
+            self.manager.note_once(("weight sets", self.name), "torch_ext: %s is called with more than %d sets "
+                                   "of weights (layers compiled one by one); the oldest set's CUDA graphs are "
+                                   "dropped and captured again when it comes back", self.name, MAX_WEIGHT_SETS)
+            self._drop_weights(next(iter(self._weight_sets)))
+        self.weights = self._next_weights
+        self._next_weights += 1
+        self._weight_sets[addresses] = (self.weights, [weakref.ref(t) for t in tensors])
+
+    def _drop_weights(self, addresses) -> None:
+        """Drop a weight set's graphs in every runner."""
+        ws, _ = self._weight_sets.pop(addresses)
+        for runner in self.runners:
+            runner.drop_weights(ws)
+        for table in (self.steps, self.capture_call, self._bars):
+            for key in [k for k in table if k.weights == ws]:
+                del table[key]
 
     def restart(self, key) -> None:
         """The graphs of `key` were dropped (an in-place input moved): warm up and capture it again."""
@@ -91,10 +146,19 @@ class RunnerGroup:
             return
         bar = self._bars.get(key)
         if bar is None:
-            size = key if not isinstance(key, tuple) else f"{key[0]}{'' if key[1] else ' (padded calls)'}"
             bar = self._bars[key] = tqdm.tqdm(
-                total=total, desc=f"torch_ext CUDA graphs {self.name} size={size}", unit="graph",
+                total=total, desc=f"torch_ext CUDA graphs {self.name} size={key.label()}", unit="graph",
                 leave=False, disable=self.manager.bar_disabled)
         bar.update(1)
         if bar.n >= bar.total:
             bar.close()
+
+
+def _alive(addresses: tuple[int, ...], refs: list) -> bool:
+    """Whether a weight set's tensors all exist and are where they were (`.data =` and `model.to()`
+    move a parameter's memory; new tensors at the old addresses are another set)."""
+    for address, ref in zip(addresses, refs):
+        t = ref()
+        if t is None or t.data_ptr() != address:
+            return False
+    return True

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from torch_ext import compat
-from torch_ext.backend.runtime.cudagraph.group import CAPTURE, REPLAY, RunnerGroup
+from torch_ext.backend.runtime.cudagraph.group import CAPTURE, REPLAY, GraphKey, RunnerGroup
 from torch_ext.backend.runtime.cudagraph.errors import CudaGraphAddressError, CudaGraphCaptureError
 from torch_ext.backend.runtime.cudagraph.stats import cudagraph_stats
 from torch_ext.backend.runtime.cudagraph.padding import (CONST, COPIED, PINNED, SCALAR, STATIC, TENSOR, Spec, locate_batch_size,
@@ -27,7 +27,7 @@ class _Entry:
     """What one runner holds for one capture size."""
 
     size: Any  # padded batch size (None for a graph without a dynamic dim)
-    key: Any  # the size, or (size, exact) where the group pins rows (RunnerGroup.key)
+    key: GraphKey  # RunnerGroup.key
     static_args: list  # what the wrapped callable gets: static buffers, in-place tensors, ints
     buffers: dict[int, torch.Tensor]  # own static buffers by input position
     copy_back: set[int]  # buffered inputs the region writes: copied back to the caller after a run
@@ -53,6 +53,7 @@ class _Plan:
     replay: Callable | None = None  # the graph's C++ replay, bound (skips CUDAGraph.replay's Python frame)
     pinned_at: list = dataclasses.field(default_factory=list)  # positions of `pinned`, for one C++ check
     pinned_ptrs: list = dataclasses.field(default_factory=list)  # their addresses by input position
+    weights: int = 0  # the entry's weight set (a plan of another set than the group's is not replayed)
 
 
 _NO_GRAPH = _Plan(None, None, [], [], [], [], [], None)  # type: ignore[arg-type]
@@ -92,8 +93,10 @@ class CudaGraphRunner:
             self.locator = locate_batch_size(inputs, symbol)
             if self.locator is None:
                 self.capturable, self.reason = False, "no input carries the batch size"
-        self._plans: dict[Any, _Plan] = {}
-        self._entries: dict[Any, _Entry] = {}
+        self._plans: dict[Any, _Plan] = {}  # batch size -> plan, of the weight set self._plans_weights
+        self._plans_by_weights: dict[int, dict[Any, _Plan]] = {0: self._plans}
+        self._plans_weights = 0
+        self._entries: dict[GraphKey, _Entry] = {}
         self._device: torch.device | None = None
         self._retired: list[_Entry] = []  # entries replaced by a re-capture (_moved), until it is done
         self._may_need_grad = any(s.kind == TENSOR for s in inputs)
@@ -102,6 +105,10 @@ class CudaGraphRunner:
         self.pins_rows = any(s.kind == TENSOR and s.role == PINNED and s.batch_dims for s in inputs)
         self.is_leader = False
         self.made_by_splitting_op: dict[int, str] = {}  # input position -> the splitting op that returned it
+        # Parameters and buffers, read in place (unless cudagraph_check_addresses makes a move an
+        # error): as the group's leader, their addresses name the call's weight set.
+        self._weight_positions = [] if self.manager.check_addresses else [
+            i for i, s in enumerate(inputs) if s.kind == TENSOR and s.role == STATIC]
         group.add(self)
 
     def __repr__(self) -> str:
@@ -123,7 +130,8 @@ class CudaGraphRunner:
         else:
             i, d = locator
             plan = self._plans.get(args[i] if d is None else args[i].shape[d])
-        if plan is None or plan.replay is None or (self._may_need_grad and torch.is_grad_enabled()):
+        if (plan is None or plan.replay is None or plan.weights != self.group.weights
+                or (self._may_need_grad and torch.is_grad_enabled())):
             return self._slow(args, plan)
         return self._replay(plan, args)
 
@@ -158,6 +166,8 @@ class CudaGraphRunner:
         return self.runnable(*args)
 
     def _slow(self, args, plan: _Plan | None):
+        if self.capturable and self.group.weights != self._plans_weights:  # another layer's weights
+            plan = self._follow_weights(args)
         if not self.capturable:
             if self.reason is not None:
                 self.manager.note_once(("never", self.name), "torch_ext: %s runs without CUDA graphs: %s",
@@ -173,6 +183,12 @@ class CudaGraphRunner:
             return self._uncaptured(args)
         n = self._size(args)
         n = int(n) if n is not None else None
+        if self.is_leader and self._weight_positions:
+            self.group.choose_weights([args[i] for i in self._weight_positions])
+            if self.group.weights != self._plans_weights:
+                plan = self._follow_weights(args)
+                if plan is not None:
+                    return self._uncaptured(args) if plan.replay is None else self._replay(plan, args)
         size = self.manager.capture_size(n, self.max_size) if self.symbol is not None else None
         if self.symbol is not None and (size is None or (self.exact_only and size != n)):
             self._plans[n] = _NO_GRAPH
@@ -193,6 +209,22 @@ class CudaGraphRunner:
         cudagraph_stats.uncaptured_runs += 1
         return self._run_padded(entry, n, args)
 
+    def _follow_weights(self, args) -> _Plan | None:
+        """Switch to the plans of the group's weight set; the plan of this call's batch size, if any."""
+        ws = self._plans_weights = self.group.weights
+        self._plans = self._plans_by_weights.setdefault(ws, {})
+        if self.locator is None:
+            return self._plans.get(None)
+        i, d = self.locator
+        return self._plans.get(args[i] if d is None else args[i].shape[d])
+
+    def drop_weights(self, ws: int) -> None:
+        """Drop the graphs of weight set `ws` (RunnerGroup.choose_weights: its tensors are gone)."""
+        for key in [k for k in self._entries if k.weights == ws]:
+            self._retire(key)
+        if ws != self._plans_weights:
+            self._plans_by_weights.pop(ws, None)
+
     def _check_device(self, args) -> bool:
         devices = {a.device for a in args if isinstance(a, torch.Tensor)}
         if len(devices) != 1 or not self.manager.can_capture_on(next(iter(devices))):
@@ -208,7 +240,7 @@ class CudaGraphRunner:
         static_args = list(args)
         buffers: dict[int, torch.Tensor] = {}
         copy_back: set[int] = set()
-        padded = isinstance(key, tuple) and not key[1]
+        padded = key.padded
         for i, spec in enumerate(self.inputs):
             if spec.kind == SCALAR:
                 static_args[i] = size_at(spec.expr, self.symbol, size) if self.symbol is not None else args[i]
@@ -276,7 +308,7 @@ class CudaGraphRunner:
             checked = [(i, entry.addresses[i]) for i, s in enumerate(self.inputs) if s.kind == TENSOR and s.role == STATIC]
             checked += [(i, s.value) for i, s in enumerate(self.inputs) if s.kind == CONST]
         return _Plan(entry, entry.graph, copies, copy_back, reused, pinned, checked, self._result(entry.outputs, n),
-                     _replayer(entry.graph), *compat.address_check(pinned, len(self.inputs)))
+                     _replayer(entry.graph), *compat.address_check(pinned, len(self.inputs)), weights=entry.key.weights)
 
     # -- capture ----------------------------------------------------------------------------------
 
@@ -316,23 +348,33 @@ class CudaGraphRunner:
             return self.fallback(*args)
         outs = self._outputs(out)
         entry.graph, entry.captured_at = graph, n
-        self._retired = [e for e in self._retired if e.key != entry.key]  # the new graph holds the pool now
+        self._retired = []  # the new graph holds the pool now
+        for i in self._weight_positions:
+            # The graph reads them by address; a weakly held weight set can go with its layer (a
+            # tensor later at the same address has the same layout: Dynamo guards the graph's inputs).
+            entry.static_args[i] = None
         self.manager.note_outputs(outs, entry.key)
         entry.outputs = [o if k in self.keep or not isinstance(o, torch.Tensor) else non_owning(o)
                          for k, o in enumerate(outs)]
         graph.replay()  # capture records without running: this call's results come from a replay
         for i, view in back:
             args[i].copy_(view)
-        self._plans = {k: p for k, p in self._plans.items() if p.entry is not entry}
+        self._forget_plans(entry)
         self.group.captured(entry.key)
         # Owned outputs for this call: the memory stays taken until the forward is done with it.
         return self._result(outs, n)
 
     def _moved(self, entry: _Entry, i: int, ptr: int, args):
         """A tensor the graph reads in place is at another address than at capture (generate makes a
-        new cache per call; `load_state_dict(assign=True)` new parameters). Every graph of the group at this key is captured again there, after a
-        warm-up, as CUDA graph trees re-record: the group's graphs of one key are captured in one
+        new cache per call; `load_state_dict(assign=True)` new parameters). Where the leader's
+        parameters moved, the call names another weight set (RunnerGroup.choose_weights), served by
+        its own graphs. Otherwise every graph of the group at this key is captured again there, after
+        a warm-up, as CUDA graph trees re-record: the group's graphs of one key are captured in one
         forward call, so they are dropped and captured together."""
+        if self.is_leader and self._weight_positions:  # whichever input moved first: weights decide
+            self.group.choose_weights([args[j] for j in self._weight_positions])
+        if self.group.weights != entry.key.weights:  # another layer's weights: their own graphs
+            return self._slow(args, None)
         self.manager.note_once(("recapture", self.name), "torch_ext: %s: input %d '%s', read in place, moved "
                                "since the capture (a new cache or new weights?): the graphs of its forward are captured "
                                "again for the new address (a warm-up call, then a capture, at each move)", self.name, i,
@@ -351,7 +393,12 @@ class CudaGraphRunner:
             return
         if entry.graph is not None:
             self._retired.append(entry)
-        self._plans = {k: p for k, p in self._plans.items() if p.entry is not entry}
+        self._forget_plans(entry)
+
+    def _forget_plans(self, entry: _Entry) -> None:
+        plans = self._plans_by_weights.get(entry.key.weights, {})
+        for n in [n for n, p in plans.items() if p.entry is entry]:
+            del plans[n]
 
     # -- errors -----------------------------------------------------------------------------------
 
