@@ -13,6 +13,7 @@
 #   bash bench/gpu_check.sh floor   python bench/inference_floor.py (extra args go to it)
 #   bash bench/gpu_check.sh attn    python bench/decode_attention_op.py, then the decode-attention GPU tests
 #   bash bench/gpu_check.sh train   python bench/checkpoint_training.py --device cuda (extra args go to it)
+#   bash bench/gpu_check.sh regional  python bench/regional_cudagraphs.py (extra args go to it), then the GPU tests
 # Logs go to $OUT (or /tmp/torch_ext_gpu).
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -45,6 +46,8 @@ case "$what" in
   attn) timeout 120 python3 bench/decode_attention_op.py "$@" 2>&1 | tee "$OUT/decode_attention_op.log"
         timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_attention_gpu.py 2>&1 \
           | tee "$OUT/decode_attention_gpu_tests.log" | tail -5 ;;
+  regional) timeout 300 python3 bench/regional_cudagraphs.py "$@" 2>&1 | tee "$OUT/regional_cudagraphs.log"
+            gpu_tests "${GPU_TESTS_TIMEOUT:-240}" | tail -3 ;;
   hfgen) timeout "${HF_TIMEOUT:-540}" python3 bench/hf_generate.py "$@" 2>&1 | tee "$OUT/hf_generate.log" ;;
   hfprofile) timeout "${HF_TIMEOUT:-420}" python3 bench/hf_decode_profile.py "$@" 2>&1 | tee "$OUT/hf_profile.log" ;;
   profile) timeout 250 python3 bench/decode_profile.py 2>&1 | tee "$OUT/profile.log"
