@@ -1,11 +1,12 @@
 # `make test` runs the suite on every supported torch version, each in its own venv, two versions at a
 # time (TEST_JOBS; the output of each comes whole). The newest tested torch is the default venv (demo,
 # bench). Tests marked `slow` (fresh processes, Inductor compiles: ~60% of a version's time on a 2-core
-# machine) run on FULL_VERSIONS (the newest, the GPU machines' and the oldest); the versions between
-# them run the rest, which keeps CI well inside its time limit. FULL=1 runs everything everywhere.
+# machine) run on FULL_VERSIONS (the newest and the oldest, whose code paths differ most); the versions
+# between run the rest, which keeps CI well inside its time limit (the GPU machines run the whole
+# suite on their 2.11: bench/gpu_check.sh tests). FULL=1 runs everything everywhere.
 PY ?= python3
-FULL_VERSIONS := 2.15.0 2.11.0 2.9.1
-VERSIONS := $(FULL_VERSIONS) 2.14.1 2.13.0
+FULL_VERSIONS := 2.15.0 2.9.1
+VERSIONS := $(FULL_VERSIONS) 2.11.0 2.14.1 2.13.0
 NEWEST := 2.15.0
 FULL ?=
 TEST_JOBS ?= 2
