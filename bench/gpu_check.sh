@@ -36,7 +36,7 @@ cpu_suite() {  # the CPU suite on this machine's torch (2.11), slow tests too (C
   grep -E "(FAILED|ERROR) |passed|failed" "$OUT/cpu_suite.log" | grep -v "^E " | tail -40
 }
 case "$what" in
-  tests) gpu_tests 240; cpu_suite 330 ;;
+  tests) gpu_tests 200; cpu_suite 380 ;;
   gpu) gpu_tests "${GPU_TESTS_TIMEOUT:-240}" ;;
   tp) timeout "${TP_TIMEOUT:-420}" python3 bench/tp_decode.py "$@" 2>&1 | tee "$OUT/tp_decode.log" ;;
   hf) timeout "${HF_TIMEOUT:-420}" python3 bench/hf_decode.py "$@" 2>&1 | tee "$OUT/hf_decode.log" ;;
