@@ -103,8 +103,7 @@ def sweep(shape, floor, q, caches, mask, op) -> None:
 
     from torch_ext.hops import decode_attention as module
 
-    b, h, hkv = q.shape[0], q.shape[1], caches[0][0].shape[1]
-    kind = ("grouped" if h > hkv else "per_head" if b * h < module._TARGET_PROGRAMS else "per_head_one_split")
+    kind = module.config_kind(q.shape[0], q.shape[1], caches[0][0].shape[1])
     default = module._CONFIG[kind]
     reference = module.decode_attention_reference(q, *caches[0], mask, q.shape[-1] ** -0.5).float()
     timed = []

@@ -34,6 +34,14 @@ _TARGET_PROGRAMS = 264  # about two waves of an H100's 132 SMs
 _CONFIG = {"grouped": (64, 4, 2), "per_head": (64, 4, 2), "per_head_one_split": (32, 2, 2)}
 
 
+def config_kind(b: int, h: int, hkv: int) -> str:
+    """Which _CONFIG entry a launch takes: the grouped kernel, or the per-head one with rows that
+    split the cache or rows that are one program each (as many as the target: one split)."""
+    if h > hkv:
+        return "grouped"
+    return "per_head" if b * h < _TARGET_PROGRAMS else "per_head_one_split"
+
+
 def decode_attention_reference(q, k, v, mask, scale: float) -> torch.Tensor:
     """SDPA with the op's arguments (grouped heads repeated): what the op computes."""
     groups = q.shape[1] // k.shape[1]
@@ -83,8 +91,7 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
     # Grouped heads: one program serves the query heads of one kv head, so each cache byte is read once
     # (a program per query head read it `groups` times: 4.3x the cache's bytes, H100, 4 of 16 heads).
     rows = b * hkv if groups > 1 else b * h
-    kind = "grouped" if groups > 1 else "per_head" if rows < _TARGET_PROGRAMS else "per_head_one_split"
-    block_n, warps, stages = _CONFIG[kind]
+    block_n, warps, stages = _CONFIG[config_kind(b, h, hkv)]
     tiles = triton.cdiv(length, block_n)
     splits = max(1, min(tiles, triton.cdiv(_TARGET_PROGRAMS, rows)))
     per_split = triton.cdiv(tiles, splits) * block_n

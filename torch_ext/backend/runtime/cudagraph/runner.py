@@ -166,8 +166,6 @@ class CudaGraphRunner:
         return self.runnable(*args)
 
     def _slow(self, args, plan: _Plan | None):
-        if self.capturable and self.group.weights != self._plans_weights:  # another layer's weights
-            plan = self._follow_weights(args)
         if not self.capturable:
             if self.reason is not None:
                 self.manager.note_once(("never", self.name), "torch_ext: %s runs without CUDA graphs: %s",
@@ -177,18 +175,16 @@ class CudaGraphRunner:
             self.manager.note_once(("grad",), "torch_ext: CUDA graphs are skipped for calls that record autograd "
                                    "(run under torch.no_grad() or torch.inference_mode() to use them)")
             return self._uncaptured(args)
+        if plan is None and self.is_leader and self._weight_positions:  # the leader names the call's set
+            self.group.choose_weights([args[i] for i in self._weight_positions])
+        if self.group.weights != self._plans_weights:  # another layer's weights: their plans
+            plan = self._follow_weights(args)
         if plan is not None:
             return self._uncaptured(args) if plan.replay is None else self._replay(plan, args)
         if self._device is None and not self._check_device(args):
             return self._uncaptured(args)
         n = self._size(args)
         n = int(n) if n is not None else None
-        if self.is_leader and self._weight_positions:
-            self.group.choose_weights([args[i] for i in self._weight_positions])
-            if self.group.weights != self._plans_weights:
-                plan = self._follow_weights(args)
-                if plan is not None:
-                    return self._uncaptured(args) if plan.replay is None else self._replay(plan, args)
         size = self.manager.capture_size(n, self.max_size) if self.symbol is not None else None
         if self.symbol is not None and (size is None or (self.exact_only and size != n)):
             self._plans[n] = _NO_GRAPH
@@ -213,10 +209,7 @@ class CudaGraphRunner:
         """Switch to the plans of the group's weight set; the plan of this call's batch size, if any."""
         ws = self._plans_weights = self.group.weights
         self._plans = self._plans_by_weights.setdefault(ws, {})
-        if self.locator is None:
-            return self._plans.get(None)
-        i, d = self.locator
-        return self._plans.get(args[i] if d is None else args[i].shape[d])
+        return self._plans.get(self._size(args))
 
     def drop_weights(self, ws: int) -> None:
         """Drop the graphs of weight set `ws` (RunnerGroup.choose_weights: its tensors are gone)."""
@@ -374,7 +367,7 @@ class CudaGraphRunner:
         if self.is_leader and self._weight_positions:  # whichever input moved first: weights decide
             self.group.choose_weights([args[j] for j in self._weight_positions])
         if self.group.weights != entry.key.weights:  # another layer's weights: their own graphs
-            return self._slow(args, None)
+            return self._slow(args, self._follow_weights(args))
         self.manager.note_once(("recapture", self.name), "torch_ext: %s: input %d '%s', read in place, moved "
                                "since the capture (a new cache or new weights?): the graphs of its forward are captured "
                                "again for the new address (a warm-up call, then a capture, at each move)", self.name, i,
