@@ -80,12 +80,14 @@ def _bulk_kernel(ptr, n, iters, programs, BLOCK: tl.constexpr):
 class Prefetcher:
     """Launches the prefetch of `nbytes` of a weight on a side stream forked from the current one."""
 
-    def __init__(self, kind: str, programs: int, cap_bytes: int):
-        self.kind, self.programs, self.cap = kind, programs, cap_bytes
+    def __init__(self, kind: str, programs: int, cap_bytes: int, windows: str):
+        self.kind, self.programs, self.cap, self.windows = kind, programs, cap_bytes, windows.split("+")
         self.stream = torch.cuda.Stream()
         self.sink = torch.zeros(programs, dtype=torch.int32, device="cuda")
 
-    def fork(self, weight: torch.Tensor) -> None:
+    def fork(self, weight: torch.Tensor, window: str) -> None:
+        if window not in self.windows:
+            return
         words = weight.view(-1).view(torch.int32)[: self.cap // 4]
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
@@ -153,19 +155,19 @@ def step(layers, head, norm_w, x, caches, cos, sin, pos, pf: Prefetcher | None):
         h, n = add_norm(x, r, p["n1"])
         qkv = F.linear(n, p["qkv"])
         if pf:
-            pf.fork(p["o"])
+            pf.fork(p["o"], "o")
         q = rope_write(qkv, cos, sin, *caches[i], pos)
         a = torch.ops.torch_ext.decode_attention(q, *caches[i], None, HEAD_DIM ** -0.5)
         o = F.linear(a.reshape(b, HIDDEN), p["o"])
         if pf:
-            pf.fork(p["gu"])
+            pf.fork(p["gu"], "gu")
         x, n = add_norm(o, h, p["n2"])
         gu = F.linear(n, p["gu"])
         if pf:
-            pf.fork(p["down"])
+            pf.fork(p["down"], "down")
         d = F.linear(silu_mul(gu), p["down"])
         if pf:
-            pf.fork(layers[i + 1]["qkv"] if i + 1 < len(layers) else head)
+            pf.fork(layers[i + 1]["qkv"] if i + 1 < len(layers) else head, "qkv")
         r = d
     _, n = add_norm(x, r, norm_w)
     out = F.linear(n, head)
@@ -198,16 +200,55 @@ def time_ms(g, steps: int = 40) -> float:
     return start.elapsed_time(end) / steps
 
 
+def gemv_cold_and_warm(b: int) -> list:
+    """The upper bound: each projection's kernel time (profiler, inside a CUDA graph) with its weights
+    cold (a 256 MiB copy before it flushes L2) and warm (a full bulk prefetch after the flush)."""
+    from torch.profiler import ProfilerActivity, profile
+    flush_src = torch.empty(128 << 20, dtype=DTYPE, device="cuda")
+    flush_dst = torch.empty_like(flush_src)
+    pf = Prefetcher("bulk", 32, 1 << 40, "w")
+    rows = []
+    for name, (n, k) in {"qkv": (3 * HIDDEN, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * MLP, HIDDEN),
+                         "down": (HIDDEN, MLP)}.items():
+        w = torch.randn(n, k, dtype=DTYPE, device="cuda") * 0.02
+        x = torch.randn(b, k, dtype=DTYPE, device="cuda")
+        us = {}
+        for warm in (False, True):
+            def body():
+                for _ in range(10):
+                    flush_dst.copy_(flush_src)
+                    if warm:
+                        pf.fork(w, "w")
+                        pf.join()
+                    F.linear(x, w)
+            g, _ = capture(body)
+            g.replay()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                g.replay()
+                torch.cuda.synchronize()
+            times = [e.device_time for e in prof.events() if e.device_type.name == "CUDA"
+                     and "copy" not in e.name.lower() and "prefetch" not in e.name and "bulk" not in e.name
+                     and "Memcpy" not in e.name and "elementwise" not in e.name]
+            us[warm] = statistics.median(times) if times else float("nan")
+        floor_us = n * k * 2 / copy_bandwidth.value * 1e6
+        rows.append([b, name, f"{n}x{k}", f"{floor_us:.1f}", f"{us[False]:.1f}", f"{us[True]:.1f}",
+                     f"{us[True] / us[False]:.2f}"])
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--cap-mb", default="8,16,32")
     ap.add_argument("--programs", default="32,66")
     ap.add_argument("--kinds", default="prefetch,bulk,load")
+    ap.add_argument("--windows", default="o+gu+down+qkv", help="which projections to prefetch, each a variant")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--gemv", action="store_true", help="also each projection's kernel cold and L2-warm")
     args = ap.parse_args()
     import torch_ext.hops.decode_attention  # noqa: F401  (registers the op)
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth.value = copy_bandwidth()
     layers, head, norm_w = make_model()
     weight_bytes = sum(t.numel() * 2 for p in layers for t in p.values()) + head.numel() * 2
     rows = []
@@ -223,7 +264,8 @@ def main() -> int:
         for kind in args.kinds.split(","):
             for cap in [int(c) for c in args.cap_mb.split(",")]:
                 for programs in [int(p) for p in args.programs.split(",")]:
-                    variants[f"{kind} {cap}MB x{programs}"] = Prefetcher(kind, programs, cap << 20)
+                    for windows in args.windows.split(","):
+                        variants[f"{kind} {cap}MB x{programs} {windows}"] = Prefetcher(kind, programs, cap << 20, windows)
         graphs, outs = {}, {}
         for name, pf in variants.items():
             try:
@@ -242,6 +284,10 @@ def main() -> int:
             same = torch.equal(outs[name], outs["base"])
             rows.append([b, name, f"{ms:.3f}", f"{ms / floor_ms:.2f}", f"{ms / statistics.median(times['base']):.3f}",
                          f"{min(times[name]):.3f}-{max(times[name]):.3f}", "yes" if same else "NO"])
+    if args.gemv:
+        gemv_rows = [r for b in [int(s) for s in args.batches.split(",")] for r in gemv_cold_and_warm(b)]
+        print("\nOne projection (F.linear) kernel, us: weights cold vs prefetched into L2 just before")
+        print_table(["batch", "projection", "shape", "floor", "cold", "L2-warm", "warm/cold"], gemv_rows)
     print(f"\nLlama-shaped decode step ({LAYERS}x{HIDDEN}, MLP {MLP}, cache {CACHE}), {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.rounds} interleaved rounds")
     print_table(["batch", "variant", "ms", "x floor", "x base", "spread", "same output"], rows)
