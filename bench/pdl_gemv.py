@@ -69,6 +69,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--pre-k", default="0,512,1024")
     ap.add_argument("--block-n", default="8,16")
+    ap.add_argument("--block-k", default="256")
+    ap.add_argument("--warps", default="4")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     bandwidth = copy_bandwidth()
@@ -89,11 +91,15 @@ def main() -> int:
         torch.mm(x.view(1, -1), w.t(), out=y.view(1, -1))
 
     variants = {"cuBLAS": cublas}
-    for bn in [int(b) for b in args.block_n.split(",")]:
-        for pre in [int(p) for p in args.pre_k.split(",")]:
-            for pdl in (False, True):
-                variants[f"triton n{bn} pre{pre}{' pdl' if pdl else ''}"] = (
-                    lambda x, w, y, bn=bn, pre=pre, pdl=pdl: triton_gemv(x, w, y, bn, pre, pdl))
+    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
+    for bn in ints(args.block_n):
+        for pre in ints(args.pre_k):
+            for bk in ints(args.block_k):
+                for warps in ints(args.warps):
+                    for pdl in (False, True):
+                        variants[f"triton n{bn} pre{pre} k{bk} w{warps}{' pdl' if pdl else ''}"] = (
+                            lambda x, w, y, bn=bn, pre=pre, pdl=pdl, bk=bk, warps=warps:
+                            triton_gemv(x, w, y, bn, pre, pdl, bk, warps))
 
     # One GEMV each against float64: every variant computes the same function.
     errors = {}
