@@ -18,8 +18,11 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
               graph no longer knows the KV caches are static), so it runs without graphs.
   autotune    torch.compile(mode="max-autotune"), batch 1 only (--autotune: minutes of compile)
   ext         torch_ext.compile(model, CompileConfig(cudagraph_mode="full", guard_free_dispatch=True),
-              dynamic=False): torch_ext's inference recipe, its other defaults (merged projections) on
-  ext-plain   the same with merge_projections=False, decode_attention=False (torch_ext before issue 25)
+              dynamic=False): torch_ext's inference recipe, its other defaults (merged projections, decode
+              attention, decode linear: the projections' GEMVs in torch_ext's kernel) on
+  ext-cublas  ext with decode_linear=False: the projections through cuBLAS (Inductor's choice)
+  ext-plain   the same with merge_projections=False, decode_attention=False, decode_linear=False
+              (torch_ext before issue 25)
   ext-pdl     ext with Inductor's triton.enable_pdl (programmatic dependent launch: a Triton kernel
               may start while the one before it drains; Hopper+), where this torch has the option
   ext-autotune ext with Inductor's max_autotune (GEMM templates that take pointwise neighbours), batch 1
@@ -86,6 +89,7 @@ def make(name: str, model, root: str, serving: bool = False):
                                      cudagraph_capture_sizes=CAPTURE if serving else (),
                                      merge_projections=name != "ext-plain",
                                      decode_attention=name != "ext-plain" and not NO_DECODE_ATTENTION,
+                                     decode_linear=name not in ("ext-plain", "ext-cublas"),
                                      inductor_options={"ext-pdl": {"triton.enable_pdl": True},
                                                        "ext-autotune": {"max_autotune": True}}.get(name, {}))
     return torch_ext.compile(model, config, dynamic=dynamic)
@@ -110,7 +114,7 @@ def kernels_per_step(step, steps: int = 4) -> tuple[float, float]:
     if kernels is None:
         return float("nan"), float("nan")
     names = [e.name for e in kernels if not e.name.startswith(("Memcpy", "Memset"))]
-    gemm = [n for n in names if any(k in n.lower() for k in ("gemm", "gemv", "cutlass", "sm90_", "mm_", "matmul"))]
+    gemm = [n for n in names if any(k in n.lower() for k in ("gemm", "gemv", "cutlass", "sm90_", "mm_", "matmul", "decode_linear"))]
     return len(names) / steps, len(gemm) / steps
 
 
@@ -133,7 +137,7 @@ def kernel_breakdown(name: str, b: int, step, steps: int = 4, top: int = 40) -> 
 
 def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
-    columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-plain", "ext-pdl"] if c in args.columns]
+    columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-plain", "ext-pdl"] if c in args.columns]
     columns += ["autotune", "ext-autotune"] if args.autotune else []
     fns = {}
     for name in columns:
@@ -236,7 +240,7 @@ def main() -> int:
     parser.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention: 16 heads share these")
     parser.add_argument("--context", type=int, default=None, help="cache length (default 256)")
     parser.add_argument("--columns", default="eager,ro,ro-freeze,ext,ext-plain",
-                        help="any of eager,ro,ro-freeze,ext,ext-plain,ext-pdl; ro is always run (x ro); --autotune adds "
+                        help="any of eager,ro,ro-freeze,ext,ext-cublas,ext-plain,ext-pdl; ro is always run (x ro); --autotune adds "
                              "autotune and ext-autotune")
     parser.add_argument("--breakdown", action="store_true", help="kernel time by kernel, every compiled column")
     parser.add_argument("--log", action="store_true", help="torch_ext's INFO log (what runs without graphs, and why)")

@@ -21,6 +21,7 @@ from torch_ext.backend.compile.builder import VariantBuilder
 from torch_ext.backend.compile.cache import ArtifactStore, UnsafeCacheDirError, ensure_private_dir, model_key
 from torch_ext.backend.compile.compiler import InductorCompiler
 from torch_ext.backend.rewrite.decode_attention import use_decode_attention
+from torch_ext.backend.rewrite.decode_linear import use_decode_linear
 from torch_ext.backend.rewrite.merge_projections import MergePlan, merge_projections
 from torch_ext.backend.runtime.checkpoint import CheckpointedRegion
 from torch_ext.backend.runtime.cudagraph.buffer_stores import expect_transformed_code
@@ -138,7 +139,7 @@ class TorchExtBackend:
     def rewrite(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, MergePlan | None]:
         """The Dynamo graph the stages after it see (rewrite/): in inference graphs (grad off), a copy
         with its projections merged, and the plan of the buffers it takes after its own inputs; decode
-        SDPA calls run torch_ext::decode_attention."""
+        SDPA calls run torch_ext::decode_attention, linears of a few rows torch_ext::decode_linear."""
         if torch.is_grad_enabled():
             return gm, None
         plan = None
@@ -149,6 +150,8 @@ class TorchExtBackend:
         if self.config.decode_attention:
             # In place (no placeholder changes): Dynamo reads only the placeholders after we return.
             counters.decode_attention_calls += use_decode_attention(gm, lambda n: self.matcher.match(n) is not None)
+        if self.config.decode_linear:  # after the merge: merged projections are linears of their own
+            counters.decode_linear_calls += use_decode_linear(gm)
         return gm, plan
 
     def _store(self, gm: fx.GraphModule, key: str | None = None) -> ArtifactStore | None:

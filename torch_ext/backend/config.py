@@ -182,6 +182,9 @@ class CompileConfig:
     # Inference graphs: SDPA of one query token per sequence (decode) runs torch_ext's split-KV kernel
     # (hops/decode_attention.py) instead of a prefill kernel (rewrite/decode_attention.py).
     decode_attention: bool = True
+    # Inference graphs on CUDA: linear calls of at most 8 rows (a decode step's projections) run
+    # torch_ext's GEMV kernel (hops/decode_linear.py; rewrite/decode_linear.py) instead of cuBLAS.
+    decode_linear: bool = True
     # tqdm progress bars while compiling several pieces (None: only on a terminal).
     progress_bar: bool | None = None
     # CUDA graphs (README: CUDA graphs): "none", "piecewise" (a graph per compiled piece, splitting
@@ -255,7 +258,7 @@ class CompileConfig:
         set_("debug_dump_dir", os.path.abspath(os.path.expanduser(dump)) if dump else None)
 
         for flag in ("dedup", "cudagraph_check_addresses", "guard_free_dispatch", "unfuse_output_addmm",
-                     "merge_projections", "decode_attention"):
+                     "merge_projections", "decode_attention", "decode_linear"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(flag, f"expected True or False, got {getattr(self, flag)!r}", f"Write {flag}=True")
         if self.warm_start is not None and not isinstance(self.warm_start, bool):
@@ -319,6 +322,7 @@ class CompileConfig:
             "hop_split": self.hop_split,
             "merge_projections": self.merge_projections,
             "decode_attention": self.decode_attention,
+            "decode_linear": self.decode_linear,
             # Pass identity also goes into every artifact key through PassManager.uuid().
             "post_grad_passes": [_qualified_name(p) for p in self.post_grad_passes],
         }

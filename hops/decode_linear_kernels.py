@@ -1,0 +1,55 @@
+"""Triton kernel of torch_ext::decode_linear (hops/decode_linear.py); imported only where it runs.
+
+A program owns BLOCK_N output features of all M (<= 8) rows: it streams those rows of the weight once,
+BLOCK_K columns at a time, reducing in float32. Its first PRE_K columns are loaded before
+`griddepcontrol.wait` (PDL): the weights depend on no earlier kernel of the graph, so under
+programmatic dependent launch they are in flight while the previous kernel drains; x, the bias and
+the output are touched only after the wait. The trigger of the next kernel comes after the wait
+too, as in Inductor's kernels: a kernel that skips its wait (its inputs not written by the kernel
+right before it) relies on every earlier kernel having finished when it starts.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: the op launches without PDL (hops/decode_linear.py checks)
+    gdc_launch_dependents = gdc_wait = None
+
+
+@triton.jit
+def decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PRE_K: tl.constexpr, PDL: tl.constexpr):
+    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = features < N
+    pre_cols = tl.arange(0, PRE_K)
+    w_pre = tl.load(w_ptr + features[:, None] * K + pre_cols[None, :], mask=live[:, None], other=0.0)
+    if PDL:
+        gdc_wait()  # the kernel before has finished: x is complete, y is ours to write
+        gdc_launch_dependents()
+    if BLOCK_M == 1:  # one row: a 2-D tile, no broadcast over rows
+        x_pre = tl.load(x_ptr + pre_cols).to(tl.float32)
+        acc = tl.sum(w_pre.to(tl.float32) * x_pre[None, :], axis=1)[None, :]
+        for k0 in range(PRE_K, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + features[:, None] * K + cols[None, :], mask=live[:, None], other=0.0)
+            x = tl.load(x_ptr + cols).to(tl.float32)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)[None, :]
+    else:
+        rows = tl.arange(0, BLOCK_M)
+        row_live = rows < M
+        x_pre = tl.load(x_ptr + rows[:, None] * K + pre_cols[None, :], mask=row_live[:, None], other=0.0)
+        acc = tl.sum(x_pre.to(tl.float32)[:, None, :] * w_pre.to(tl.float32)[None, :, :], axis=2)
+        for k0 in range(PRE_K, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + features[:, None] * K + cols[None, :], mask=live[:, None], other=0.0)
+            x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=row_live[:, None], other=0.0)
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + features, mask=live, other=0.0).to(tl.float32)[None, :]
+    out_rows = tl.arange(0, BLOCK_M)
+    tl.store(y_ptr + out_rows[:, None] * N + features[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(out_rows < M)[:, None] & live[None, :])

@@ -1,0 +1,139 @@
+"""torch_ext::decode_linear (hops/decode_linear.py) and the rewrite that puts it in place of linear
+calls of a few rows (backend/rewrite/decode_linear.py).
+
+The kernel is checked against a float64 reference under TRITON_INTERPRET=1 (a subprocess: the
+variable must be set before Triton loads); its GPU path, programmatic dependent launch included, in
+test_decode_linear_gpu.py. The rewrite fires on CUDA inputs only; here it is let onto the CPU (where
+the op runs F.linear) to check which calls it takes, what it tells the op, and that compiled models
+still equal eager.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_models as hf
+import torch_ext
+from torch_ext.backend import CompileConfig, counters
+from torch_ext.backend.rewrite import decode_linear as rewrite
+from test_hf_decode import decode_matches_eager, fx_pieces  # noqa: F401  (fixture)
+
+KERNEL_CHECK = r'''
+import torch
+from torch_ext.hops.decode_linear import config, decode_linear_triton
+torch.manual_seed(0)
+cases = [(1, 2048, 9, False, torch.float32), (1, 320, 10, True, torch.bfloat16), (3, 4096, 7, True, torch.float32),
+         (8, 192, 5, False, torch.float16), (2, 2048, 4, False, torch.bfloat16), (5, 5632, 3, True, torch.float32),
+         (1, 64, 1, True, torch.float32), (4, 128, 6, False, torch.float32)]
+worst = 0.0
+for rows, k, n, bias, dtype in cases:
+    lead = (rows,) if rows % 2 else (2, rows // 2)  # leading dims are flattened
+    x = torch.randn(*lead, k + 3, dtype=dtype)[..., 3:]  # not contiguous: the op packs it
+    w = torch.randn(n, k, dtype=dtype) / k ** 0.5
+    b = torch.randn(n, dtype=dtype) if bias else None
+    y = decode_linear_triton(x, w, b, False)
+    expected = torch.nn.functional.linear(x.double(), w.double(), b.double() if bias else None)
+    assert y.shape == expected.shape and y.dtype == dtype and not y.isnan().any(), (rows, k, n)
+    err = ((y.double() - expected).norm() / expected.norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), (rows, k, n, config(rows, k), err)
+    worst = max(worst, err)
+print("WORST", worst)
+'''
+
+
+@pytest.mark.slow
+def test_kernel_equals_a_float64_reference_in_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and "WORST" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+def test_op_is_linear_off_the_kernel():
+    """Off CUDA (and on shapes the kernel does not take) the op is F.linear, bias or not."""
+    x, w, b = torch.randn(2, 3, 64), torch.randn(5, 64), torch.randn(5)
+    for bias in (b, None):
+        out = torch.ops.torch_ext.decode_linear(x, w, bias, True)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, w, bias))
+    with torch._subclasses.fake_tensor.FakeTensorMode():  # the fake gives the shape of linear's output
+        assert torch.ops.torch_ext.decode_linear(torch.empty(4, 1, 64), torch.empty(7, 64), None, False).shape == (4, 1, 7)
+
+
+class Block(torch.nn.Module):
+    """Linears of every kind the rewrite must tell apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(64, 64)  # reads the graph input directly: no kernel of the graph before it
+        self.after_norm = torch.nn.Linear(64, 128, bias=False)  # reads a norm's output
+        self.shared = torch.nn.Linear(128, 64)  # its weight is also read by another op
+        self.norm = torch.nn.RMSNorm(64)
+
+    def forward(self, x):
+        h = self.first(x)
+        h = self.after_norm(self.norm(h))
+        return self.shared(torch.nn.functional.silu(h)) + self.shared.weight.sum()
+
+
+def _graph(model, *args, dynamic=False):
+    """The Dynamo graph of model(*args) and its example inputs (parameters among them)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append((gm, example_inputs))
+        return gm
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend, dynamic=dynamic)(*args)
+    (graph,) = graphs
+    return graph
+
+
+def _calls(gm):
+    return [n for n in gm.graph.nodes if n.target is torch.ops.torch_ext.decode_linear.default]
+
+
+def test_rewrite_takes_few_row_linears_and_prefetches_only_where_safe(monkeypatch):
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    gm, inputs = _graph(Block().eval(), torch.randn(2, 3, 64))
+    with torch.no_grad():
+        expected = gm(*inputs)
+    assert rewrite.use_decode_linear(gm) == 3
+    first, after_norm, shared = _calls(gm)
+    # Only the linear after the norm: the first reads the input (the caller's kernel, maybe a write of
+    # its weight, runs right before it); the shared weight is read by another op of the graph.
+    assert [c.args[3] for c in (first, after_norm, shared)] == [False, True, False]
+    assert first.args[2] is not None and after_norm.args[2] is None
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs), expected)
+
+
+@pytest.mark.parametrize("shape,dynamic", [((16, 64), False), ((3, 5, 64), False), ((2, 64), True)])
+def test_rewrite_leaves_many_rows_and_symbolic_rows_alone(monkeypatch, shape, dynamic):
+    """More than MAX_ROWS rows (cuBLAS wins), or a row count the graph does not fix."""
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    gm, _ = _graph(torch.nn.Sequential(torch.nn.Linear(64, 32)).eval(), torch.randn(*shape), dynamic=dynamic)
+    assert rewrite.use_decode_linear(gm) == 0
+
+
+def test_rewrite_leaves_cpu_graphs_alone():
+    gm, _ = _graph(torch.nn.Sequential(torch.nn.Linear(64, 32)).eval(), torch.randn(1, 64))
+    assert rewrite.use_decode_linear(gm) == 0
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_hf_llama_decode_runs_the_op_and_matches_eager(monkeypatch, fx_pieces, enabled):  # noqa: F811
+    """An HF Llama decode step through torch_ext.compile: every projection of the decode graph (merged
+    q/k/v and gate/up, o, down, lm_head) runs the op, logits and caches equal eager's over several
+    steps; decode_linear=False turns it off."""
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    model = hf.build("llama").eval()
+    config = CompileConfig(cache_dir=None, guard_free_dispatch=True, decode_linear=enabled)
+    decode_matches_eager(model, torch_ext.compile(model, config, dynamic=False))
+    layers = model.config.num_hidden_layers
+    assert counters.decode_linear_calls == (4 * layers + 1 if enabled else 0)

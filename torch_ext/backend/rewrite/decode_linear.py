@@ -1,0 +1,115 @@
+"""Linear calls of a few rows (a decode step's projections) -> torch_ext::decode_linear.
+
+A call is replaced in inference graphs where its example values say: a CUDA input of static shape
+with at most MAX_ROWS rows (batch x tokens), a plain 2-D weight (no subclass: a quantized weight or a
+DTensor computes its own linear), input, weight, bias and output of one dtype (under autocast linear
+computes in another; the op is not on autocast's lists). Where the kernel cannot take the tensors
+it meets at run time (say a weight made non-contiguous later), the op runs F.linear.
+
+The op may load its first weight columns before the kernel before it has finished (programmatic
+dependent launch). That is safe only where no kernel that may run right before it writes the weight:
+the weight is a graph input whose every user is a linear or an embedding (nothing in the graph
+writes it), and the input depends on a computing op of the graph (so a kernel of this graph, not
+the caller's `weight.copy_()`, runs right before). Elsewhere the call loads after the wait.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.fx as fx
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+import torch_ext.hops.decode_linear  # noqa: F401  (registers the op: also where a saved graph calling it loads)
+from torch_ext.backend.rewrite.decode_attention import SDPA_TARGETS
+from torch_ext.backend.rewrite.merge_projections import LINEAR_TARGETS
+from torch_ext.hops.decode_linear import MAX_ROWS
+
+log = logging.getLogger("torch_ext.backend")
+
+_PARAMS = ("input", "weight", "bias")
+_READ_ONLY_USERS = (*LINEAR_TARGETS, torch.nn.functional.embedding)
+# Ops that always launch a kernel (none is an identity Inductor could drop): an input downstream of one
+# is produced by this graph's kernels.
+_COMPUTING = {"linear", "scaled_dot_product_attention", "decode_attention", "rsqrt", "mean", "silu", "gelu",
+              "softmax", "layer_norm", "rms_norm", "matmul", "bmm", "mm", "embedding", "var", "tanh", "sigmoid",
+              "exp", "relu", "pow"}
+_WALK_LIMIT = 64  # nodes looked at behind an input
+DEVICES = ("cuda",)  # where the op has its kernel (tests add "cpu": the op runs F.linear there)
+
+
+def _value(node):
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else node
+
+
+def _name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return node.target
+    return getattr(node.target, "__name__", str(node.target)).split(".")[-1]
+
+
+def _computed_in_graph(node: fx.Node) -> bool:
+    """Whether node depends on an op of the graph that launches a kernel."""
+    seen, todo = set(), [node]
+    while todo and len(seen) < _WALK_LIMIT:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op in ("call_function", "call_method") and (_name(n) in _COMPUTING or n.target in SDPA_TARGETS):
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _read_only_input(node) -> bool:
+    """A graph input that nothing in the graph writes (every user a linear or an embedding)."""
+    return (isinstance(node, fx.Node) and node.op == "placeholder"
+            and all(u.op == "call_function" and u.target in _READ_ONLY_USERS for u in node.users))
+
+
+def decode_call(node: fx.Node) -> dict | None:
+    """The op's arguments (x, weight, bias, prefetch) for a linear call of a few rows, else None."""
+    if node.op != "call_function" or node.target not in LINEAR_TARGETS:
+        return None
+    if len(node.args) > 3 or any(k not in _PARAMS for k in node.kwargs):
+        return None
+    a = dict(dict(zip(_PARAMS, node.args)), **node.kwargs)
+    x_node, w_node, b_node = a.get("input"), a.get("weight"), a.get("bias")
+    x, w, b, out = _value(x_node), _value(w_node), _value(b_node), _value(node)
+    tensors = (x, w, out) if b_node is None else (x, w, b, out)
+    if not all(isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t) for t in tensors):
+        return None
+    if x.device.type not in DEVICES or w.dim() != 2 or x.dim() < 1 or (b is not None and b.dim() != 1):
+        return None
+    if not all(isinstance(s, int) for s in (*x.shape, *w.shape)):  # symbolic rows: any count may come
+        return None
+    if not 0 < math.prod(x.shape[:-1]) <= MAX_ROWS or not all(t.dtype == x.dtype for t in tensors):
+        return None
+    prefetch = (_read_only_input(w_node) and (b_node is None or _read_only_input(b_node))
+                and isinstance(x_node, fx.Node) and _computed_in_graph(x_node))
+    return {"x": x_node, "weight": w_node, "bias": b_node, "prefetch": prefetch}
+
+
+def use_decode_linear(gm: fx.GraphModule) -> int:
+    """Replace every linear call of a few rows of gm's graph (in place: no placeholder changes) by
+    torch_ext::decode_linear; returns how many."""
+    op = torch.ops.torch_ext.decode_linear.default
+    replaced = prefetching = 0
+    for node in list(gm.graph.nodes):
+        call = decode_call(node)
+        if call is None:
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(op, (call["x"], call["weight"], call["bias"], call["prefetch"]))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        replaced += 1
+        prefetching += call["prefetch"]
+    if replaced:
+        gm.recompile()
+        log.debug("torch_ext: %d linear calls of a few rows run torch_ext::decode_linear (%d prefetch weights)",
+                  replaced, prefetching)
+    return replaced
