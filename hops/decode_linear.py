@@ -58,21 +58,31 @@ def kernel_takes(x, weight, bias) -> bool:
                                   and bias.shape[0] == weight.shape[0])))
 
 
-def config(rows: int, k: int) -> dict:
-    """Tile sizes: the best of bench/pdl_gemv.py's sweep at one row on an H200 (2 features x 512
-    columns, the first 2048 loaded before the wait, 4 warps); more rows hold a (rows x features x
-    columns) product in registers, so their tiles shrink with the rows."""
-    block_m = 1 if rows == 1 else (2 if rows == 2 else (4 if rows <= 4 else 8))
+def config(rows: int, k: int, dtype: torch.dtype, path: str | None = None) -> dict:
+    """Launch config. One row ("row"): the best of bench/pdl_gemv.py's sweep on an H200 (2 features x
+    512 columns a tile, the first 2048 loaded before the wait, 4 warps). A few rows ("rows"): the same
+    tiles, each row a vector against the tile in registers. "dot" (16-bit only: float32 would be tf32):
+    tensor cores on 16 x 16 tiles, the rows padded to 16."""
+    path = path or ("row" if rows == 1 else "rows")
+    if path == "dot" and dtype == torch.float32:
+        path = "rows"
     block_k = next(b for b in (512, 256, 128, 64) if k % b == 0)
-    if block_m > 1:
-        block_k = min(block_k, 512 // block_m)
-    pre_k = 1 << (k.bit_length() - 1)  # the largest power of two <= k: a multiple of block_k
-    pre_k = max(block_k, min(pre_k, 2048 // block_m))
-    return dict(BLOCK_M=block_m, BLOCK_N=2, BLOCK_K=block_k, PRE_K=pre_k, num_warps=4)
+    if path == "dot":
+        block_m, block_n, block_k = 16, 16, min(block_k, 128)
+        pre_k = max(block_k, min(1 << (k.bit_length() - 1), 512))
+    else:
+        block_m, block_n = (1 if path == "row" else triton_pow2(rows)), 2
+        pre_k = max(block_k, min(1 << (k.bit_length() - 1), 2048))  # a power of two <= k: a multiple of block_k
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRE_K=pre_k, PATH=path, num_warps=4)
 
 
-def decode_linear_triton(x, weight, bias, pdl: bool) -> torch.Tensor:
-    """The Triton path (also on CPU tensors under TRITON_INTERPRET=1, with pdl False, for tests)."""
+def triton_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def decode_linear_triton(x, weight, bias, pdl: bool, path: str | None = None) -> torch.Tensor:
+    """The Triton path (also on CPU tensors under TRITON_INTERPRET=1, with pdl False, for tests); path
+    overrides the kernel's choice (bench/decode_linear_op.py times each)."""
     import triton
 
     from torch_ext.hops.decode_linear_kernels import decode_linear_kernel
@@ -83,7 +93,7 @@ def decode_linear_triton(x, weight, bias, pdl: bool) -> torch.Tensor:
         x2 = x2.contiguous()
     rows = x2.shape[0]
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    cfg = config(rows, k)
+    cfg = config(rows, k, x.dtype, path)
     if pdl:
         cfg["launch_pdl"] = True
     decode_linear_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](

@@ -7,6 +7,9 @@ programmatic dependent launch they are in flight while the previous kernel drain
 the output are touched only after the wait. The trigger of the next kernel comes after the wait
 too, as in Inductor's kernels: a kernel that skips its wait (its inputs not written by the kernel
 right before it) relies on every earlier kernel having finished when it starts.
+
+PATH: "row" (one row: a weight tile times a vector), "rows" (a few rows, each a weight tile times a
+vector, the tile loaded once), "dot" (16-bit inputs, rows padded to 16: tensor cores).
 """
 from __future__ import annotations
 
@@ -20,9 +23,29 @@ except ImportError:  # an older Triton: the op launches without PDL (hops/decode
 
 
 @triton.jit
+def _tile_times_rows(acc, w, x_ptr, cols, M, K: tl.constexpr, BLOCK_M: tl.constexpr, PATH: tl.constexpr):
+    """acc (BLOCK_M, BLOCK_N) += x[:, cols] @ w.T for the weight tile w (BLOCK_N, len(cols))."""
+    if PATH == "row":
+        x = tl.load(x_ptr + cols).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)[None, :]
+    elif PATH == "dot":
+        rows = tl.arange(0, BLOCK_M)
+        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=(rows < M)[:, None], other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    else:
+        rows = tl.arange(0, BLOCK_M)
+        wf = w.to(tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            if m < M:
+                x = tl.load(x_ptr + m * K + cols).to(tl.float32)
+                acc += tl.where(rows[:, None] == m, tl.sum(wf * x[None, :], axis=1)[None, :], 0.0)
+    return acc
+
+
+@triton.jit
 def decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRE_K: tl.constexpr, PDL: tl.constexpr):
+                         PRE_K: tl.constexpr, PDL: tl.constexpr, PATH: tl.constexpr):
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = features < N
     pre_cols = tl.arange(0, PRE_K)
@@ -30,24 +53,12 @@ def decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, HAS_
     if PDL:
         gdc_wait()  # the kernel before has finished: x is complete, y is ours to write
         gdc_launch_dependents()
-    if BLOCK_M == 1:  # one row: a 2-D tile, no broadcast over rows
-        x_pre = tl.load(x_ptr + pre_cols).to(tl.float32)
-        acc = tl.sum(w_pre.to(tl.float32) * x_pre[None, :], axis=1)[None, :]
-        for k0 in range(PRE_K, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + features[:, None] * K + cols[None, :], mask=live[:, None], other=0.0)
-            x = tl.load(x_ptr + cols).to(tl.float32)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)[None, :]
-    else:
-        rows = tl.arange(0, BLOCK_M)
-        row_live = rows < M
-        x_pre = tl.load(x_ptr + rows[:, None] * K + pre_cols[None, :], mask=row_live[:, None], other=0.0)
-        acc = tl.sum(x_pre.to(tl.float32)[:, None, :] * w_pre.to(tl.float32)[None, :, :], axis=2)
-        for k0 in range(PRE_K, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + features[:, None] * K + cols[None, :], mask=live[:, None], other=0.0)
-            x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=row_live[:, None], other=0.0)
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = _tile_times_rows(acc, w_pre, x_ptr, pre_cols, M, K, BLOCK_M, PATH)
+    for k0 in range(PRE_K, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + features[:, None] * K + cols[None, :], mask=live[:, None], other=0.0)
+        acc = _tile_times_rows(acc, w, x_ptr, cols, M, K, BLOCK_M, PATH)
     if HAS_BIAS:
         acc += tl.load(b_ptr + features, mask=live, other=0.0).to(tl.float32)[None, :]
     out_rows = tl.arange(0, BLOCK_M)

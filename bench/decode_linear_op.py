@@ -1,0 +1,95 @@
+"""torch_ext::decode_linear's kernel paths against cuBLAS, on a chain of Llama-shaped projections.
+
+    python bench/decode_linear_op.py [--rows 1,2,4,8] [--layers 16]
+
+A chain of qkv 6144x2048 -> o 2048x2048 -> gate_up 11264x2048 -> down 2048x5632, bf16, `rows` rows
+(each reading a fixed input: a kernel waits for the one before it all the same), in one CUDA graph: cuBLAS (torch.mm),
+and the op's kernel on each path ("row"/"rows": weight tile times vectors; "dot": tensor cores),
+with and without programmatic dependent launch. ms per chain (median of interleaved rounds), x floor
+(weight bytes / copy bandwidth), x cuBLAS, and the relative error of one projection against float64.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from decode import copy_bandwidth  # noqa: E402
+from table import print_table  # noqa: E402
+
+from torch_ext.hops.decode_linear import decode_linear_triton  # noqa: E402
+
+SHAPES = [(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]  # (out, in) of qkv, o, gate_up, down
+
+
+def graph_ms(fn, rounds_times: list, replays: int = 20):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn.replay()
+    start.record()
+    for _ in range(replays):
+        fn.replay()
+    end.record()
+    end.synchronize()
+    rounds_times.append(start.elapsed_time(end) / replays)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    bandwidth = copy_bandwidth()
+    weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
+               for _ in range(args.layers) for n, k in SHAPES]
+    floor_ms = sum(w.numel() * 2 for w in weights) / bandwidth * 1e3
+    table = []
+    for rows in [int(r) for r in args.rows.split(",")]:
+        inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16, device="cuda") for k in {k for _, k in SHAPES}}
+        vector_path = "row" if rows == 1 else "rows"
+        variants = {"cuBLAS": lambda x, w: torch.mm(x, w.t())}
+        for path in (vector_path, "dot"):
+            for pdl in (False, True):
+                variants[f"{path}{' pdl' if pdl else ''}"] = (
+                    lambda x, w, path=path, pdl=pdl: decode_linear_triton(x, w, None, pdl, path))
+        graphs, errors = {}, {}
+        for name, linear in variants.items():
+            y = linear(inputs[5632], weights[3])
+            ref = inputs[5632].double() @ weights[3].double().t()
+            errors[name] = ((y.double() - ref).norm() / ref.norm()).item()
+
+            def chain(linear=linear):
+                for w in weights:
+                    linear(inputs[w.shape[1]], w)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                chain()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                chain()
+            graphs[name] = g
+        times = {name: [] for name in graphs}
+        for _ in range(args.rounds):
+            for name, g in graphs.items():
+                graph_ms(g, times[name])
+        base = statistics.median(times["cuBLAS"])
+        for name in graphs:
+            ms = statistics.median(times[name])
+            table.append([rows, name, f"{ms:.3f}", f"{ms / floor_ms:.2f}", f"{ms / base:.3f}",
+                          f"{min(times[name]):.3f}-{max(times[name]):.3f}", f"{errors[name]:.1e}"])
+    print(f"\n{args.layers} layers of 4 projections, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor_ms:.3f} ms; {args.rounds} interleaved rounds")
+    print_table(["rows", "variant", "ms", "x floor", "x cuBLAS", "spread", "rel err"], table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
