@@ -25,6 +25,8 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
               (torch_ext before issue 25)
   ext-pdl     ext with Inductor's triton.enable_pdl (programmatic dependent launch: a Triton kernel
               may start while the one before it drains; Hopper+), where this torch has the option
+              (ext turns it on by itself in pieces that run decode_linear)
+  ext-nopdl   ext with triton.enable_pdl=False: decode_linear without Inductor's dependent launch
   ext-autotune ext with Inductor's max_autotune (GEMM templates that take pointwise neighbours), batch 1
                only (--autotune: minutes of compile)
 
@@ -91,6 +93,7 @@ def make(name: str, model, root: str, serving: bool = False):
                                      decode_attention=name != "ext-plain" and not NO_DECODE_ATTENTION,
                                      decode_linear=name not in ("ext-plain", "ext-cublas"),
                                      inductor_options={"ext-pdl": {"triton.enable_pdl": True},
+                                                       "ext-nopdl": {"triton.enable_pdl": False},
                                                        "ext-autotune": {"max_autotune": True}}.get(name, {}))
     return torch_ext.compile(model, config, dynamic=dynamic)
 
@@ -137,7 +140,8 @@ def kernel_breakdown(name: str, b: int, step, steps: int = 4, top: int = 40) -> 
 
 def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
-    columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-plain", "ext-pdl"] if c in args.columns]
+    columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-nopdl", "ext-plain", "ext-pdl"]
+               if c in args.columns]
     columns += ["autotune", "ext-autotune"] if args.autotune else []
     fns = {}
     for name in columns:
@@ -240,7 +244,7 @@ def main() -> int:
     parser.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention: 16 heads share these")
     parser.add_argument("--context", type=int, default=None, help="cache length (default 256)")
     parser.add_argument("--columns", default="eager,ro,ro-freeze,ext,ext-plain",
-                        help="any of eager,ro,ro-freeze,ext,ext-cublas,ext-plain,ext-pdl; ro is always run (x ro); --autotune adds "
+                        help="any of eager,ro,ro-freeze,ext,ext-cublas,ext-nopdl,ext-plain,ext-pdl; ro is always run (x ro); --autotune adds "
                              "autotune and ext-autotune")
     parser.add_argument("--breakdown", action="store_true", help="kernel time by kernel, every compiled column")
     parser.add_argument("--log", action="store_true", help="torch_ext's INFO log (what runs without graphs, and why)")

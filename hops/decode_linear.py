@@ -26,7 +26,9 @@ from torch_ext.hops.fused_add_rms_norm import has_triton
 
 __all__ = ["MAX_ROWS", "decode_linear", "decode_linear_triton", "kernel_takes"]
 
-MAX_ROWS = 8  # rows (batch x tokens) the kernel serves; more run F.linear (cuBLAS's GEMMs win there)
+# Rows (batch x tokens) the kernel serves; more run F.linear. H100, a chain of Llama projections
+# (bench/decode_linear_op.py): one row 0.83x cuBLAS's time, two 1.02x, four 1.30x, eight 1.35x.
+MAX_ROWS = 1
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -1,4 +1,5 @@
-"""Inductor's per-process state a warm process takes from an earlier one: ISA probe, torch_key."""
+"""Inductor: the per-process state a warm process takes from an earlier one (ISA probe, torch_key), and
+which of its options this torch has."""
 from __future__ import annotations
 
 
@@ -71,3 +72,10 @@ def saveable_training_patches() -> dict:
     if TORCH_VERSION < (2, 13) and hasattr(functorch_config, "force_non_lazy_backward_lowering"):
         return {"force_non_lazy_backward_lowering": True}
     return {}
+
+
+def has_inductor_pdl() -> bool:
+    """Inductor can emit programmatic dependent launch for its Triton kernels (triton.enable_pdl: 2.11+)."""
+    import torch._inductor.config as inductor_config
+
+    return hasattr(inductor_config.triton, "enable_pdl")

@@ -2,7 +2,8 @@
 
 Owns: Inductor compiles (`compiler.py`, with the post-grad passes of backend/passes), loading or
 compiling each distinct artifact once (`builder.py`), the on-disk cache and its key (`cache.py`,
-`environment.py`, `fingerprint.py`, `inductor_keys.py`), and example values restored before a
-compile (`example_values.py`).
+`environment.py`, `fingerprint.py`, `inductor_keys.py`), example values restored before a
+compile (`example_values.py`), and Inductor's dependent launch for pieces that run torch_ext's
+decode GEMV (`dependent_launch.py`).
 May import: split, passes, config / counters / dump; never runtime, warm_start or dispatch.
 """
