@@ -11,6 +11,7 @@ with and without programmatic dependent launch. ms per chain (median of interlea
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -44,6 +45,7 @@ def main() -> int:
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sweep-dot", action="store_true", help="the tensor-core path's launch configs, with PDL")
     args = ap.parse_args()
     bandwidth = copy_bandwidth()
     weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
@@ -58,6 +60,11 @@ def main() -> int:
             for pdl in (False, True):
                 variants[f"{path}{' pdl' if pdl else ''}"] = (
                     lambda x, w, path=path, pdl=pdl: decode_linear_triton(x, w, None, pdl, path))
+        if args.sweep_dot:
+            for bn, bk, warps, stages in itertools.product((16, 32), (256, 512), (4, 8), (2, 3, 4)):
+                cfg = dict(BLOCK_N=bn, BLOCK_K=bk, PRE_K=bk, num_warps=warps, num_stages=stages)
+                variants[f"dot pdl n{bn} k{bk} w{warps} s{stages}"] = (
+                    lambda x, w, cfg=cfg: decode_linear_triton(x, w, None, True, "dot", cfg))
         graphs, errors = {}, {}
         for name, linear in variants.items():
             y = linear(inputs[5632], weights[3])

@@ -82,9 +82,10 @@ def triton_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def decode_linear_triton(x, weight, bias, pdl: bool, path: str | None = None) -> torch.Tensor:
+def decode_linear_triton(x, weight, bias, pdl: bool, path: str | None = None,
+                         overrides: dict | None = None) -> torch.Tensor:
     """The Triton path (also on CPU tensors under TRITON_INTERPRET=1, with pdl False, for tests); path
-    overrides the kernel's choice (bench/decode_linear_op.py times each)."""
+    and overrides (launch config entries) replace the kernel's choice (bench/decode_linear_op.py)."""
     import triton
 
     from torch_ext.hops.decode_linear_kernels import decode_linear_kernel
@@ -95,7 +96,7 @@ def decode_linear_triton(x, weight, bias, pdl: bool, path: str | None = None) ->
         x2 = x2.contiguous()
     rows = x2.shape[0]
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    cfg = config(rows, k, x.dtype, path)
+    cfg = {**config(rows, k, x.dtype, path), **(overrides or {})}
     if pdl:
         cfg["launch_pdl"] = True
     decode_linear_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
