@@ -246,11 +246,17 @@ def main() -> int:
     parser.add_argument("--columns", default="eager,ro,ro-freeze,ext,ext-plain",
                         help="any of eager,ro,ro-freeze,ext,ext-cublas,ext-nopdl,ext-plain,ext-pdl; ro is always run (x ro); --autotune adds "
                              "autotune and ext-autotune")
+    parser.add_argument("--decode-linear-rows", type=int, default=None,
+                        help="let torch_ext's decode_linear take up to this many rows (default: its MAX_ROWS)")
     parser.add_argument("--breakdown", action="store_true", help="kernel time by kernel, every compiled column")
     parser.add_argument("--log", action="store_true", help="torch_ext's INFO log (what runs without graphs, and why)")
     args = parser.parse_args()
     global NO_DECODE_ATTENTION
     NO_DECODE_ATTENTION = args.no_decode_attention
+    if args.decode_linear_rows is not None:  # an experiment: the op's limit, read at compile and at run time
+        import torch_ext.hops.decode_linear as decode_linear
+
+        decode_linear.MAX_ROWS = args.decode_linear_rows
     if args.log:
         logging.basicConfig(format="%(name)s: %(message)s")
         logging.getLogger("torch_ext").setLevel(logging.INFO)

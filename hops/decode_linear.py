@@ -62,20 +62,19 @@ def kernel_takes(x, weight, bias) -> bool:
 
 def config(rows: int, k: int, dtype: torch.dtype, path: str | None = None) -> dict:
     """Launch config. One row ("row"): the best of bench/pdl_gemv.py's sweep on an H200 (2 features x
-    512 columns a tile, the first 2048 loaded before the wait, 4 warps). A few rows ("rows"): the same
-    tiles, each row a vector against the tile in registers. "dot" (16-bit only: float32 would be tf32):
-    tensor cores on 16 x 16 tiles, the rows padded to 16."""
-    path = path or ("row" if rows == 1 else "rows")
+    512 columns a tile, the first 2048 loaded before the wait, 4 warps). A few rows: 16-bit inputs on
+    tensor cores ("dot", rows padded to 16; float32 would be tf32), float32 with each row a vector
+    against the tile in registers ("rows")."""
+    path = path or ("row" if rows == 1 else ("rows" if dtype == torch.float32 else "dot"))
     if path == "dot" and dtype == torch.float32:
         path = "rows"
     block_k = next(b for b in (512, 256, 128, 64) if k % b == 0)
-    if path == "dot":
-        block_m, block_n, block_k = 16, 16, min(block_k, 128)
-        pre_k = max(block_k, min(1 << (k.bit_length() - 1), 512))
-    else:
-        block_m, block_n = (1 if path == "row" else triton_pow2(rows)), 2
-        pre_k = max(block_k, min(1 << (k.bit_length() - 1), 2048))  # a power of two <= k: a multiple of block_k
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRE_K=pre_k, PATH=path, num_warps=4)
+    if path == "dot":  # the best of --dot-configs on an H100 at 8 rows: 32 x 256, 5 stages (1.00x cuBLAS)
+        block_k = min(block_k, 256)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, PRE_K=block_k, PATH=path, num_warps=4, num_stages=5)
+    block_m = 1 if path == "row" else triton_pow2(rows)
+    pre_k = max(block_k, min(1 << (k.bit_length() - 1), 2048))  # a power of two <= k: a multiple of block_k
+    return dict(BLOCK_M=block_m, BLOCK_N=2, BLOCK_K=block_k, PRE_K=pre_k, PATH=path, num_warps=4)
 
 
 def triton_pow2(n: int) -> int:

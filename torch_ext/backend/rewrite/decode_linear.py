@@ -21,10 +21,9 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-import torch_ext.hops.decode_linear  # noqa: F401  (registers the op: also where a saved graph calling it loads)
 from torch_ext.backend.rewrite.decode_attention import SDPA_TARGETS
 from torch_ext.backend.rewrite.merge_projections import LINEAR_TARGETS
-from torch_ext.hops.decode_linear import MAX_ROWS
+from torch_ext.hops import decode_linear as op_module  # registers the op: also where a saved graph calling it loads
 
 log = logging.getLogger("torch_ext.backend")
 
@@ -85,7 +84,7 @@ def decode_call(node: fx.Node) -> dict | None:
         return None
     if not all(isinstance(s, int) for s in (*x.shape, *w.shape)):  # symbolic rows: any count may come
         return None
-    if not 0 < math.prod(x.shape[:-1]) <= MAX_ROWS or not all(t.dtype == x.dtype for t in tensors):
+    if not 0 < math.prod(x.shape[:-1]) <= op_module.MAX_ROWS or not all(t.dtype == x.dtype for t in tensors):
         return None
     prefetch = (_read_only_input(w_node) and (b_node is None or _read_only_input(b_node))
                 and isinstance(x_node, fx.Node) and _computed_in_graph(x_node))
