@@ -47,7 +47,6 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sweep-dot", action="store_true", help="the tensor-core path's launch configs, with PDL")
     ap.add_argument("--dot-configs", default="", help="features x columns x warps x stages,... (with PDL)")
-    ap.add_argument("--acc-configs", default="", help="the same for the rows_acc path (more than one row)")
     args = ap.parse_args()
     bandwidth = copy_bandwidth()
     weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
@@ -58,18 +57,17 @@ def main() -> int:
         inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16, device="cuda") for k in {k for _, k in SHAPES}}
         vector_path = "row" if rows == 1 else "rows"
         variants = {"cuBLAS": lambda x, w: torch.mm(x, w.t())}
-        for path in (vector_path, "dot") + (("rows_acc",) if rows > 1 else ()):
+        for path in (vector_path, "dot"):
             for pdl in (False, True):
                 variants[f"{path}{' pdl' if pdl else ''}"] = (
                     lambda x, w, path=path, pdl=pdl: decode_linear_triton(x, w, None, pdl, path))
         configs = list(itertools.product((16, 32), (256, 512), (4, 8), (2, 3, 4))) if args.sweep_dot else []
         configs += [tuple(int(v) for v in c.split("x")) for c in args.dot_configs.split(",") if c]
-        acc_configs = [tuple(int(v) for v in c.split("x")) for c in args.acc_configs.split(",") if c]
-        for path, path_configs in (("dot", configs), ("rows_acc", acc_configs if rows > 1 else [])):
-            for bn, bk, warps, stages in path_configs:
+        if configs:
+            for bn, bk, warps, stages in configs:
                 cfg = dict(BLOCK_N=bn, BLOCK_K=bk, PRE_K=bk, num_warps=warps, num_stages=stages)
-                variants[f"{path} pdl n{bn} k{bk} w{warps} s{stages}"] = (
-                    lambda x, w, cfg=cfg, path=path: decode_linear_triton(x, w, None, True, path, cfg))
+                variants[f"dot pdl n{bn} k{bk} w{warps} s{stages}"] = (
+                    lambda x, w, cfg=cfg: decode_linear_triton(x, w, None, True, "dot", cfg))
         graphs, errors = {}, {}
         for name, linear in variants.items():
             def chain(linear=linear):

@@ -73,9 +73,6 @@ def config(rows: int, k: int, dtype: torch.dtype, path: str | None = None) -> di
         block_k = min(block_k, 256)
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, PRE_K=block_k, PATH=path, num_warps=4, num_stages=5)
     block_m = 1 if path == "row" else triton_pow2(rows)
-    if path == "rows_acc":
-        block_k = min(block_k, 256)
-        return dict(BLOCK_M=block_m, BLOCK_N=2, BLOCK_K=block_k, PRE_K=block_k, PATH=path, num_warps=4)
     pre_k = max(block_k, min(1 << (k.bit_length() - 1), 2048))  # a power of two <= k: a multiple of block_k
     return dict(BLOCK_M=block_m, BLOCK_N=2, BLOCK_K=block_k, PRE_K=pre_k, PATH=path, num_warps=4)
 

@@ -9,8 +9,7 @@ too, as in Inductor's kernels: a kernel that skips its wait (its inputs not writ
 right before it) relies on every earlier kernel having finished when it starts.
 
 PATH: "row" (one row: a weight tile times a vector), "rows" (a few rows, each a weight tile times a
-vector, the tile loaded once), "rows_acc" (the same, products kept per column and reduced once at
-the end), "dot" (16-bit inputs, rows padded to 16: tensor cores).
+vector, the tile loaded once), "dot" (16-bit inputs, rows padded to 16: tensor cores).
 """
 from __future__ import annotations
 
@@ -54,25 +53,12 @@ def decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, HAS_
     if PDL:
         gdc_wait()  # the kernel before has finished: x is complete, y is ours to write
         gdc_launch_dependents()
-    if PATH == "rows_acc":  # products summed per column, reduced over the columns once at the end
-        rows = tl.arange(0, BLOCK_M)
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            if k0 == 0:
-                w = w_pre  # PRE_K == BLOCK_K on this path
-            else:
-                w = tl.load(w_ptr + features[:, None] * K + cols[None, :], mask=live[:, None], other=0.0)
-            x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=(rows < M)[:, None], other=0.0)
-            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        acc = tl.sum(acc3, axis=2)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc = _tile_times_rows(acc, w_pre, x_ptr, pre_cols, M, K, BLOCK_M, PATH)
-        for k0 in range(PRE_K, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + features[:, None] * K + cols[None, :], mask=live[:, None], other=0.0)
-            acc = _tile_times_rows(acc, w, x_ptr, cols, M, K, BLOCK_M, PATH)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = _tile_times_rows(acc, w_pre, x_ptr, pre_cols, M, K, BLOCK_M, PATH)
+    for k0 in range(PRE_K, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + features[:, None] * K + cols[None, :], mask=live[:, None], other=0.0)
+        acc = _tile_times_rows(acc, w, x_ptr, cols, M, K, BLOCK_M, PATH)
     if HAS_BIAS:
         acc += tl.load(b_ptr + features, mask=live, other=0.0).to(tl.float32)[None, :]
     out_rows = tl.arange(0, BLOCK_M)
