@@ -104,6 +104,11 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
     else:
         ms, is_bool = (0, 0, 0, 0), False
     partial_kernel, grouped_kernel, combine_kernel = _kernels()
+    from torch_ext.hops.pdl_kernels import has_pdl, launch_options
+
+    # Launched early behind the kernel before (PDL, Hopper+); each waits for it before reading anything.
+    pdl = q.is_cuda and has_pdl(q.device)
+    launch = launch_options(pdl)
     block_d = triton.next_power_of_2(d)
     direct = splits == 1  # one split per row (the rows fill the GPU): the partial kernel writes the output
     args = (q, k, v, mask if mask is not None else q, partial, out, scale * 1.4426950408889634,  # exp2 of log2(e)-scaled scores
@@ -111,7 +116,7 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
             v.stride(0), v.stride(1), v.stride(2), v.stride(3), ms[0], ms[1], ms[3], out.stride(0), out.stride(1),
             h, groups, length, per_split, d, splits)
     flags = dict(HAS_MASK=mask is not None, BOOL_MASK=is_bool, DIRECT=direct, BLOCK_N=block_n, BLOCK_D=block_d,
-                 num_warps=warps, num_stages=stages)
+                 num_warps=warps, num_stages=stages, PDL=pdl, **launch)
     if groups > 1:  # tl.dot needs 16 rows: the group's heads, padded
         flags["BLOCK_D"] = max(16, block_d)  # tl.dot's smallest K
         grouped_kernel[(rows, splits)](*args, BLOCK_G=max(16, triton.next_power_of_2(groups)),
@@ -120,7 +125,8 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
         partial_kernel[(rows, splits)](*args, **flags)
     if not direct:
         combine_kernel[(b * h,)](partial, out, out.stride(0), out.stride(1), h, d, splits,
-                                 BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+                                 BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4, PDL=pdl,
+                                 **launch)
     return out
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from torch_ext.hops.pdl_kernels import wait_then_release
+
 
 @triton.jit
 def _cache_tile(base, n, d, s_n, s_d, live, d_ok):
@@ -40,8 +42,9 @@ def partial_kernel(q, k, v, mask, partial, out, scale_log2,
                    sq_b, sq_h, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, sm_b, sm_h, sm_n, so_b, so_h,
                    H, GROUPS, L, PER_SPLIT, D, SPLITS,
                    HAS_MASK: tl.constexpr, BOOL_MASK: tl.constexpr, DIRECT: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                   BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """One query head's split of the cache: an online softmax per tile slot, folded at the end."""
+    wait_then_release(PDL)  # q and the cache come from the kernels before
     row = tl.program_id(0)  # b * H + h
     split = tl.program_id(1)
     bi = (row // H).to(tl.int64)
@@ -89,9 +92,10 @@ def grouped_kernel(q, k, v, mask, partial, out, scale_log2,
                    sq_b, sq_h, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, sm_b, sm_h, sm_n, so_b, so_h,
                    H, GROUPS, L, PER_SPLIT, D, SPLITS,
                    HAS_MASK: tl.constexpr, BOOL_MASK: tl.constexpr, DIRECT: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """partial_kernel for the GROUPS query heads of one kv head at once (rows of a tl.dot): the
     program reads its split of the cache once for all of them."""
+    wait_then_release(PDL)
     row = tl.program_id(0)  # b * Hkv + kv head
     split = tl.program_id(1)
     hkv = H // GROUPS
@@ -142,8 +146,10 @@ def grouped_kernel(q, k, v, mask, partial, out, scale_log2,
 
 
 @triton.jit
-def combine_kernel(partial, out, so_b, so_h, H, D, SPLITS, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def combine_kernel(partial, out, so_b, so_h, H, D, SPLITS, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PDL: tl.constexpr):
     """A row's splits merged by their maxima into the output."""
+    wait_then_release(PDL)
     row = tl.program_id(0)
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)

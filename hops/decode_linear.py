@@ -18,8 +18,6 @@ float dtype shared by x, weight and bias); everything else runs F.linear.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from torch_ext.hops.fused_add_rms_norm import has_triton
@@ -47,7 +45,9 @@ def _(x, weight, bias, prefetch):
 def _(x, weight, bias, prefetch):
     if not (has_triton() and kernel_takes(x, weight, bias)):
         return torch.nn.functional.linear(x, weight, bias)
-    return decode_linear_triton(x, weight, bias, prefetch and _has_pdl(x.device))
+    from torch_ext.hops.pdl_kernels import has_pdl
+
+    return decode_linear_triton(x, weight, bias, prefetch and has_pdl(x.device))
 
 
 def kernel_takes(x, weight, bias) -> bool:
@@ -88,6 +88,7 @@ def decode_linear_triton(x, weight, bias, pdl: bool, path: str | None = None,
     import triton
 
     from torch_ext.hops.decode_linear_kernels import decode_linear_kernel
+    from torch_ext.hops.pdl_kernels import launch_options
 
     n, k = weight.shape
     x2 = x.reshape(-1, k)
@@ -96,15 +97,7 @@ def decode_linear_triton(x, weight, bias, pdl: bool, path: str | None = None,
     rows = x2.shape[0]
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     cfg = {**config(rows, k, x.dtype, path), **(overrides or {})}
-    if pdl:
-        cfg["launch_pdl"] = True
     decode_linear_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x2, weight, bias if bias is not None else weight, y, rows, n, K=k, HAS_BIAS=bias is not None, PDL=pdl, **cfg)
+        x2, weight, bias if bias is not None else weight, y, rows, n, K=k, HAS_BIAS=bias is not None, PDL=pdl, **cfg,
+        **launch_options(pdl))
     return y.view(*x.shape[:-1], n)
-
-
-@functools.lru_cache(maxsize=None)
-def _has_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: Hopper or newer, and a Triton with the intrinsics."""
-    from torch_ext.hops import decode_linear_kernels
-    return decode_linear_kernels.gdc_wait is not None and torch.cuda.get_device_capability(device)[0] >= 9

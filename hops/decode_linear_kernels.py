@@ -2,11 +2,9 @@
 
 A program owns BLOCK_N output features of all M (<= 8) rows: it streams those rows of the weight once,
 BLOCK_K columns at a time, reducing in float32. Its first PRE_K columns are loaded before
-`griddepcontrol.wait` (PDL): the weights depend on no earlier kernel of the graph, so under
-programmatic dependent launch they are in flight while the previous kernel drains; x, the bias and
-the output are touched only after the wait. The trigger of the next kernel comes after the wait
-too, as in Inductor's kernels: a kernel that skips its wait (its inputs not written by the kernel
-right before it) relies on every earlier kernel having finished when it starts.
+`wait_then_release` (hops/pdl_kernels.py): the weights depend on no earlier kernel of the graph, so
+under programmatic dependent launch they are in flight while the previous kernel drains; x, the
+bias and the output are touched only after the wait.
 
 PATH: "row" (one row: a weight tile times a vector), "rows" (a few rows, each a weight tile times a
 vector, the tile loaded once), "dot" (16-bit inputs, rows padded to 16: tensor cores).
@@ -16,10 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # an older Triton: the op launches without PDL (hops/decode_linear.py checks)
-    gdc_launch_dependents = gdc_wait = None
+from torch_ext.hops.pdl_kernels import wait_then_release
 
 
 @triton.jit
@@ -50,9 +45,7 @@ def decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, HAS_
     live = features < N
     pre_cols = tl.arange(0, PRE_K)
     w_pre = tl.load(w_ptr + features[:, None] * K + pre_cols[None, :], mask=live[:, None], other=0.0)
-    if PDL:
-        gdc_wait()  # the kernel before has finished: x is complete, y is ours to write
-        gdc_launch_dependents()
+    wait_then_release(PDL)  # x is complete, y is ours to write
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc = _tile_times_rows(acc, w_pre, x_ptr, pre_cols, M, K, BLOCK_M, PATH)
     for k0 in range(PRE_K, K, BLOCK_K):
