@@ -144,8 +144,8 @@ def test_hf_llama_decode_runs_the_op_and_matches_eager(monkeypatch, fx_pieces, e
 
 
 def test_pieces_that_run_the_op_get_inductors_dependent_launch(monkeypatch):
-    """Inductor's PDL (its kernels let the op start early) goes to pieces that call the op, on a GPU
-    that has PDL, where this torch has the option; the user's own setting wins."""
+    """Inductor's PDL (its kernels let the op start early) goes to pieces that call the op (or decode
+    attention), on a GPU that has PDL, where this torch has the option; the user's own setting wins."""
     from torch_ext import compat
     from torch_ext.backend.compile import dependent_launch as dl
 
@@ -158,5 +158,11 @@ def test_pieces_that_run_the_op_get_inductors_dependent_launch(monkeypatch):
     assert dl.dependent_launch_patches(with_op, {}) == expected
     assert dl.dependent_launch_patches(without_op, {}) == {}
     assert dl.dependent_launch_patches(with_op, {"triton.enable_pdl": False}) == {}
+    from torch_ext.backend.rewrite.decode_attention import use_decode_attention
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    attention, _ = _graph(lambda q, k, v: sdpa(q, k, v) * 2, *(torch.randn(1, 4, n, 16) for n in (1, 10, 10)))
+    assert use_decode_attention(attention, lambda node: False) == 1
+    assert dl.dependent_launch_patches(attention, {}) == expected
     monkeypatch.setattr(dl, "_gpu_has_pdl", lambda: False)
     assert dl.dependent_launch_patches(with_op, {}) == {}
