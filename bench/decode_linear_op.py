@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
 
 import torch
@@ -22,22 +21,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from decode import copy_bandwidth  # noqa: E402
+from graphs import capture, interleaved, ratio_cells  # noqa: E402
 from table import print_table  # noqa: E402
 
 from torch_ext.hops.decode_linear import decode_linear_triton  # noqa: E402
 
 SHAPES = [(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]  # (out, in) of qkv, o, gate_up, down
-
-
-def graph_ms(fn, rounds_times: list, replays: int = 20):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn.replay()
-    start.record()
-    for _ in range(replays):
-        fn.replay()
-    end.record()
-    end.synchronize()
-    rounds_times.append(start.elapsed_time(end) / replays)
 
 
 def main() -> int:
@@ -77,26 +66,12 @@ def main() -> int:
                 y = linear(inputs[5632], weights[3])
                 ref = inputs[5632].double() @ weights[3].double().t()
                 errors[name] = ((y.double() - ref).norm() / ref.norm()).item()
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    chain()
-                torch.cuda.current_stream().wait_stream(s)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    chain()
-                graphs[name] = g
+                graphs[name], _ = capture(chain)
             except Exception as e:  # a config past the shared memory must not cost the others
                 print(f"{rows} rows, {name}: {type(e).__name__}: {str(e)[:200]}")
-        times = {name: [] for name in graphs}
-        for _ in range(args.rounds):
-            for name, g in graphs.items():
-                graph_ms(g, times[name])
-        base = statistics.median(times["cuBLAS"])
+        times = interleaved(graphs, args.rounds)
         for name in graphs:
-            ms = statistics.median(times[name])
-            table.append([rows, name, f"{ms:.3f}", f"{ms / floor_ms:.2f}", f"{ms / base:.3f}",
-                          f"{min(times[name]):.3f}-{max(times[name]):.3f}", f"{errors[name]:.1e}"])
+            table.append([rows, name, *ratio_cells(times, name, "cuBLAS", floor_ms), f"{errors[name]:.1e}"])
     print(f"\n{args.layers} layers of 4 projections, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor_ms:.3f} ms; {args.rounds} interleaved rounds")
     print_table(["rows", "variant", "ms", "x floor", "x cuBLAS", "spread", "rel err"], table)

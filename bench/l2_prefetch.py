@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -31,6 +30,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from decode import copy_bandwidth  # noqa: E402
+from graphs import capture, interleaved, ratio_cells  # noqa: E402
 from table import print_table  # noqa: E402
 
 LAYERS, HIDDEN, MLP, HEADS, HEAD_DIM, CACHE, VOCAB = 16, 2048, 5632, 16, 128, 256, 32000
@@ -56,25 +56,19 @@ def _xor(a, b):
 
 
 @triton.jit
-def _prefetch_kernel(ptr, n, iters, programs, BLOCK: tl.constexpr):
-    """One `prefetch.global.L2::evict_last` per 128-byte line: no registers wait for the data."""
+def _asm_prefetch_kernel(ptr, n, iters, programs, BLOCK: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr):
+    """One prefetch instruction (ASM) per WORDS int32 words: n of them, from ptr."""
     pid = tl.program_id(0)
     for i in range(0, iters):
         offs = (pid + i * programs) * BLOCK + tl.arange(0, BLOCK)
-        lines = ptr + tl.minimum(offs, n - 1) * 32  # int32 elements: 32 per line
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [lines],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(ASM, "=r,l", [ptr + tl.minimum(offs, n - 1) * WORDS], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
-@triton.jit
-def _bulk_kernel(ptr, n, iters, programs, BLOCK: tl.constexpr):
-    """sm90's `cp.async.bulk.prefetch.L2`: one instruction per 4 KiB chunk (n chunks)."""
-    pid = tl.program_id(0)
-    for i in range(0, iters):
-        offs = (pid + i * programs) * BLOCK + tl.arange(0, BLOCK)
-        chunks = ptr + tl.minimum(offs, n - 1) * 1024  # int32 elements: 1024 per chunk
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0;", "=r,l", [chunks],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+# `prefetch.global.L2::evict_last` per 128-byte line (no registers wait for the data), or sm90's
+# `cp.async.bulk.prefetch.L2` per 4 KiB chunk: (instruction, int32 words each covers, programs' block).
+_ASM = {"prefetch": ("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", 32, 256),
+        "bulk": ("cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0;", 1024, 128)}
 
 
 class Prefetcher:
@@ -94,13 +88,11 @@ class Prefetcher:
             if self.kind == "load":
                 _load_kernel[(self.programs,)](words, words.numel(), self._iters(words.numel(), 1024), self.programs, self.sink, BLOCK=1024,
                                                 num_warps=8)
-            elif self.kind == "bulk":
-                chunks = words.numel() // 1024
-                _bulk_kernel[(self.programs,)](words, chunks, self._iters(chunks, 128), self.programs, BLOCK=128,
-                                               num_warps=4)
             else:
-                lines = words.numel() // 32
-                _prefetch_kernel[(self.programs,)](words, lines, self._iters(lines, 256), self.programs, BLOCK=256, num_warps=4)
+                asm, per, block = _ASM[self.kind]
+                n = words.numel() // per
+                _asm_prefetch_kernel[(self.programs,)](words, n, self._iters(n, block), self.programs, BLOCK=block,
+                                                       WORDS=per, ASM=asm, num_warps=4)
 
     def _iters(self, n: int, block: int) -> int:
         return -(-n // (block * self.programs))
@@ -176,30 +168,6 @@ def step(layers, head, norm_w, x, caches, cos, sin, pos, pf: Prefetcher | None):
     return out
 
 
-def capture(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
-
-
-def time_ms(g, steps: int = 40) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.replay()
-    start.record()
-    for _ in range(steps):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / steps
-
-
 def gemv_cold_and_warm(b: int) -> list:
     """The upper bound: each projection's kernel time (profiler, inside a CUDA graph) with its weights
     cold (a 256 MiB copy before it flushes L2) and warm (a full bulk prefetch after the flush)."""
@@ -272,18 +240,13 @@ def main() -> int:
                 graphs[name], outs[name] = capture(lambda pf=pf: step(layers, head, norm_w, x, caches, cos, sin, pos, pf))
             except Exception as e:  # a variant that fails to compile must not cost the others
                 print(f"{name}: {type(e).__name__}: {str(e)[:300]}")
-        times = {name: [] for name in graphs}
-        for _ in range(args.rounds):
-            for name, g in graphs.items():
-                times[name].append(time_ms(g))
+        times = interleaved(graphs, args.rounds, replays=40)
         for name, g in graphs.items():
             g.replay()
         torch.cuda.synchronize()
         for name in graphs:
-            ms = statistics.median(times[name])
             same = torch.equal(outs[name], outs["base"])
-            rows.append([b, name, f"{ms:.3f}", f"{ms / floor_ms:.2f}", f"{ms / statistics.median(times['base']):.3f}",
-                         f"{min(times[name]):.3f}-{max(times[name]):.3f}", "yes" if same else "NO"])
+            rows.append([b, name, *ratio_cells(times, name, "base", floor_ms), "yes" if same else "NO"])
     if args.gemv:
         gemv_rows = [r for b in [int(s) for s in args.batches.split(",")] for r in gemv_cold_and_warm(b)]
         print("\nOne projection (F.linear) kernel, us: weights cold vs prefetched into L2 just before")

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -29,6 +27,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from decode import copy_bandwidth  # noqa: E402
+from graphs import capture, interleaved, ratio_cells  # noqa: E402
 from table import print_table  # noqa: E402
 
 SHAPES = [(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]  # (out, in) of qkv, o, gate_up, down
@@ -116,34 +115,11 @@ def main() -> int:
     graphs = {}
     for name, gemv in variants.items():
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                chain(gemv)
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                chain(gemv)
-            graphs[name] = g
+            graphs[name], _ = capture(lambda gemv=gemv: chain(gemv))
         except Exception as e:  # one variant that fails must not cost the others
             print(f"{name}: {type(e).__name__}: {str(e)[:300]}")
-    times = {name: [] for name in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(args.rounds):
-        for name, g in graphs.items():
-            g.replay()
-            start.record()
-            for _ in range(20):
-                g.replay()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / 20)
-    base = statistics.median(times["cuBLAS"])
-    rows = []
-    for name in graphs:
-        ms = statistics.median(times[name])
-        rows.append([name, f"{ms:.3f}", f"{ms / floor_ms:.2f}", f"{ms / base:.3f}",
-                     f"{min(times[name]):.3f}-{max(times[name]):.3f}", f"{errors[name]:.1e}"])
+    times = interleaved(graphs, args.rounds)
+    rows = [[name, *ratio_cells(times, name, "cuBLAS", floor_ms), f"{errors[name]:.1e}"] for name in graphs]
     print(f"\n{args.layers} layers of 4 projections (batch 1, bf16), {torch.cuda.get_device_name()}, torch "
           f"{torch.__version__}, triton {triton.__version__}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
           f"floor {floor_ms:.3f} ms; {args.rounds} interleaved rounds")

@@ -124,3 +124,36 @@ def hop_calls(gm: torch.fx.GraphModule) -> list[str]:
     """Names of the higher-order ops the top level of a Dynamo graph calls, in order."""
     return [n.target.__name__ for n in gm.graph.nodes
             if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)]
+
+
+# --- decode on a GPU against eager ----------------------------------------------------------------
+
+def cuda_decode_matches_eager(mode: str, batch: int, steps: int = 5, update_weights_at: int | None = None):
+    """A tiny Llama on CUDA and torch_ext.compile of it (cudagraph_mode=mode, guard-free dispatch):
+    prefill eagerly into two StaticCaches, then decode `steps` tokens each way; logits must agree at
+    every step. At step `update_weights_at` every weight is scaled in place first (an optimizer-style
+    update the compiled model must read). Returns the model."""
+    import transformers
+
+    import torch_ext
+    from torch_ext.backend import CompileConfig
+
+    torch._dynamo.reset()
+    model = build("llama").cuda().eval()
+    compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True, cudagraph_mode=mode,
+                                                      progress_bar=False), dynamic=False)
+    ids = token_ids(batch, 6).cuda()
+    caches = [transformers.StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+        token = ids[:, -1:]
+        for step in range(steps):
+            if step == update_weights_at:
+                for p in model.parameters():
+                    p.mul_(0.9)
+            expected = model(input_ids=token, past_key_values=caches[0], use_cache=True).logits
+            actual = compiled(input_ids=token, past_key_values=caches[1], use_cache=True).logits
+            torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+            token = expected[:, -1:].argmax(-1)
+    return model

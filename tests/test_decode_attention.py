@@ -8,8 +8,6 @@ and on a GPU in tests/test_decode_attention_gpu.py."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ import torch_ext
 from torch_ext.backend import CompileConfig, counters
 from torch_ext.testing import capture_graphs
 from test_hf_decode import SDPA, decode_matches_eager, fx_pieces  # noqa: F401  (fixture)
+from triton_interpreter import run_in_interpreter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -57,14 +56,7 @@ print("WORST", worst)
 
 @pytest.mark.slow
 def test_triton_kernels_equal_a_float64_reference_in_the_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, env=env, timeout=600)
-    if done.returncode and "only 0-dimensional arrays can be converted to Python scalars" in done.stderr:
-        # Triton 3.5's interpreter (torch 2.9.1) hands a kernel's int arguments over as 1-element
-        # arrays, which the NumPy here refuses as a loop bound; the kernels run on 2.11's Triton (GPU).
-        pytest.skip("this Triton's CPU interpreter cannot run a loop over an int argument with this NumPy")
-    assert done.returncode == 0 and "WORST" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+    run_in_interpreter(KERNEL_CHECK)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])

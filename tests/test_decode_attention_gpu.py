@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import hf_models as hf
-import torch_ext
-from torch_ext.backend import CompileConfig, counters
+from torch_ext.backend import counters
 from torch_ext.hops.decode_attention import decode_attention_reference, decode_attention_triton
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -37,23 +36,7 @@ def test_kernels_equal_a_float64_reference(dtype, tol, b, h, hkv, length, d, mas
 
 @pytest.mark.parametrize("mode", ["none", "full"])
 def test_hf_llama_decode_with_the_kernel_matches_eager(mode):
-    import transformers
-
-    torch._dynamo.reset()
     counters.reset()
-    model = hf.build("llama").cuda().eval()
-    compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True, cudagraph_mode=mode,
-                                                      progress_bar=False), dynamic=False)
-    ids = hf.token_ids(2, 6).cuda()
-    caches = [transformers.StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
-    with torch.no_grad():
-        for cache in caches:
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
-        token = ids[:, -1:]
-        for step in range(5):
-            expected = model(input_ids=token, past_key_values=caches[0], use_cache=True).logits
-            actual = compiled(input_ids=token, past_key_values=caches[1], use_cache=True).logits
-            torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
-            token = expected[:, -1:].argmax(-1)
+    model = hf.cuda_decode_matches_eager(mode, batch=2)
     # Every decode graph's SDPA calls (the first token, a slice of the prompt, may get a graph of its own).
     assert counters.decode_attention_calls == model.config.num_hidden_layers * counters.graphs_seen

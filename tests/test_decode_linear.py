@@ -9,10 +9,6 @@ still equal eager.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -21,6 +17,7 @@ import torch_ext
 from torch_ext.backend import CompileConfig, counters
 from torch_ext.backend.rewrite import decode_linear as rewrite
 from test_hf_decode import decode_matches_eager, fx_pieces  # noqa: F401  (fixture)
+from triton_interpreter import run_in_interpreter
 
 KERNEL_CHECK = r'''
 import torch
@@ -51,10 +48,7 @@ print("WORST", worst)
 
 @pytest.mark.slow
 def test_kernel_equals_a_float64_reference_in_the_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0 and "WORST" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+    run_in_interpreter(KERNEL_CHECK)
 
 
 def test_op_is_linear_off_the_kernel():

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import hf_models as hf
-import torch_ext
-from torch_ext.backend import CompileConfig, counters
+from torch_ext.backend import counters
 from torch_ext.hops.decode_linear import decode_linear_triton
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -67,26 +66,8 @@ def test_a_chain_with_dependent_launch_in_a_cuda_graph_reads_each_input_complete
 
 @pytest.mark.parametrize("mode", ["none", "full"])
 def test_hf_llama_decode_with_the_kernel_matches_eager_and_follows_weight_updates(mode):
-    import transformers
-
-    torch._dynamo.reset()
     counters.reset()
-    model = hf.build("llama").cuda().eval()
-    compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True, cudagraph_mode=mode,
-                                                      progress_bar=False), dynamic=False)
-    ids = hf.token_ids(1, 6).cuda()  # one row: the projections the op takes
-    caches = [transformers.StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
-    with torch.no_grad():
-        for cache in caches:
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
-        token = ids[:, -1:]
-        for step in range(5):
-            if step == 3:  # an optimizer-style in-place update of every weight: the next call reads it
-                for p in model.parameters():
-                    p.mul_(0.9)
-            expected = model(input_ids=token, past_key_values=caches[0], use_cache=True).logits
-            actual = compiled(input_ids=token, past_key_values=caches[1], use_cache=True).logits
-            torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
-            token = expected[:, -1:].argmax(-1)
+    # One row: the projections the op takes; every weight scaled in place before step 3.
+    model = hf.cuda_decode_matches_eager(mode, batch=1, update_weights_at=3)
     # Every projection of every decode graph: merged q/k/v and gate/up, o, down, and lm_head.
     assert counters.decode_linear_calls == (4 * model.config.num_hidden_layers + 1) * counters.graphs_seen
