@@ -111,6 +111,32 @@ def test_rewrite_takes_few_row_linears_and_prefetches_only_where_safe(monkeypatc
         torch.testing.assert_close(gm(*inputs), expected)
 
 
+class TiedHead(torch.nn.Module):
+    """Two linears reading the embedding's weight (tied): read-only, unless the embedding renormalizes
+    its rows in place (max_norm)."""
+
+    def __init__(self, max_norm):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 64, max_norm=max_norm)
+        self.norm = torch.nn.RMSNorm(64)
+
+    def forward(self, ids):
+        h = self.norm(self.embed(ids))
+        return torch.nn.functional.linear(h, self.embed.weight), torch.nn.functional.linear(h.tanh(), self.embed.weight)
+
+
+@pytest.mark.parametrize("max_norm,prefetch", [(None, True), (1.0, False)])
+def test_a_weight_an_embedding_may_write_is_not_loaded_early(monkeypatch, max_norm, prefetch):
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    gm, inputs = _graph(TiedHead(max_norm).eval(), torch.tensor([[3]]))
+    with torch.no_grad():
+        expected = gm(*inputs)
+    assert rewrite.use_decode_linear(gm) == 2
+    assert [c.args[3] for c in _calls(gm)] == [prefetch, prefetch]  # the second sees the first already ours
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs), expected)
+
+
 @pytest.mark.parametrize("shape,dynamic", [((2, 64), False), ((3, 5, 64), False), ((2, 64), True)])
 def test_rewrite_leaves_many_rows_and_symbolic_rows_alone(monkeypatch, shape, dynamic):
     """More than MAX_ROWS rows (cuBLAS wins), or a row count the graph does not fix."""

@@ -28,12 +28,10 @@ from torch_ext.hops import decode_linear as op_module  # registers the op: also 
 log = logging.getLogger("torch_ext.backend")
 
 _PARAMS = ("input", "weight", "bias")
-_READ_ONLY_USERS = (*LINEAR_TARGETS, torch.nn.functional.embedding)
-# Ops that always launch a kernel (none is an identity Inductor could drop): an input downstream of one
-# is produced by this graph's kernels.
-_COMPUTING = {"linear", "scaled_dot_product_attention", "decode_attention", "rsqrt", "mean", "silu", "gelu",
-              "softmax", "layer_norm", "rms_norm", "matmul", "bmm", "mm", "embedding", "var", "tanh", "sigmoid",
-              "exp", "relu", "pow"}
+# Ops that always launch a kernel: none is an identity Inductor could drop on some input (pow by 1, a
+# mean over a dim of one could be), so an input downstream of one is produced by this graph's kernels.
+_COMPUTING = {"linear", "scaled_dot_product_attention", "decode_attention", "rsqrt", "silu", "gelu", "softmax",
+              "layer_norm", "rms_norm", "matmul", "bmm", "mm", "embedding", "tanh", "sigmoid", "exp", "relu"}
 _WALK_LIMIT = 64  # nodes looked at behind an input
 DEVICES = ("cuda",)  # where the op has its kernel (tests add "cpu": the op runs F.linear there)
 
@@ -62,10 +60,19 @@ def _computed_in_graph(node: fx.Node) -> bool:
     return False
 
 
+def _reads_only(user: fx.Node) -> bool:
+    """A linear (ours too) or an embedding without max_norm (which renormalizes its weight in place)."""
+    if user.op != "call_function":
+        return False
+    if user.target in LINEAR_TARGETS or user.target is torch.ops.torch_ext.decode_linear.default:
+        return True
+    max_norm = user.args[3] if len(user.args) > 3 else user.kwargs.get("max_norm")
+    return user.target is torch.nn.functional.embedding and max_norm is None
+
+
 def _read_only_input(node) -> bool:
     """A graph input that nothing in the graph writes (every user a linear or an embedding)."""
-    return (isinstance(node, fx.Node) and node.op == "placeholder"
-            and all(u.op == "call_function" and u.target in _READ_ONLY_USERS for u in node.users))
+    return isinstance(node, fx.Node) and node.op == "placeholder" and all(_reads_only(u) for u in node.users)
 
 
 def decode_call(node: fx.Node) -> dict | None:
