@@ -18,6 +18,8 @@ float dtype shared by x, weight and bias); everything else runs F.linear.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from torch_ext.hops.fused_add_rms_norm import has_triton
@@ -60,11 +62,14 @@ def kernel_takes(x, weight, bias) -> bool:
                                   and bias.shape[0] == weight.shape[0])))
 
 
+@functools.lru_cache(maxsize=None)
 def config(rows: int, k: int, dtype: torch.dtype, path: str | None = None) -> dict:
     """Launch config. One row ("row"): the best of bench/pdl_gemv.py's sweep on an H200 (2 features x
     512 columns a tile, the first 2048 loaded before the wait, 4 warps). A few rows: 16-bit inputs on
     tensor cores ("dot", rows padded to 16; float32 would be tf32), float32 with each row a vector
-    against the tile in registers ("rows")."""
+    against the tile in registers ("rows"). Cached: the caller copies it."""
+    import triton
+
     path = path or ("row" if rows == 1 else ("rows" if dtype == torch.float32 else "dot"))
     if path == "dot" and dtype == torch.float32:
         path = "rows"
@@ -72,13 +77,9 @@ def config(rows: int, k: int, dtype: torch.dtype, path: str | None = None) -> di
     if path == "dot":  # the best of --dot-configs on an H100 at 8 rows: 32 x 256, 5 stages (1.00x cuBLAS)
         block_k = min(block_k, 256)
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, PRE_K=block_k, PATH=path, num_warps=4, num_stages=5)
-    block_m = 1 if path == "row" else triton_pow2(rows)
+    block_m = 1 if path == "row" else triton.next_power_of_2(rows)
     pre_k = max(block_k, min(1 << (k.bit_length() - 1), 2048))  # a power of two <= k: a multiple of block_k
     return dict(BLOCK_M=block_m, BLOCK_N=2, BLOCK_K=block_k, PRE_K=pre_k, PATH=path, num_warps=4)
-
-
-def triton_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def decode_linear_triton(x, weight, bias, pdl: bool, path: str | None = None,

@@ -13,8 +13,6 @@ user did not set it (CompileConfig.inductor_options wins).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.fx as fx
 
@@ -34,6 +32,9 @@ def dependent_launch_patches(gm: fx.GraphModule, user_options: dict) -> dict:
     return {OPTION: True}
 
 
-@functools.lru_cache(maxsize=None)
 def _gpu_has_pdl() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    if not torch.cuda.is_available():
+        return False
+    from torch_ext.hops.pdl_kernels import has_pdl  # imports Triton: only where a GPU is
+
+    return has_pdl(torch.device("cuda", torch.cuda.current_device()))

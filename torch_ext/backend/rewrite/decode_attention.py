@@ -35,7 +35,8 @@ _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scal
 _DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
 
-def _value(node):
+def example_value(node):
+    """A node's traced value (Dynamo's example_value, else val); a non-node argument is its own value."""
     return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else node
 
 
@@ -67,7 +68,7 @@ def unrepeated(node) -> fx.Node | None:
     if not isinstance(node, fx.Node) or node.op not in ("call_method", "call_function"):
         return None
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    out = _value(node)
+    out = example_value(node)
     if not isinstance(out, torch.Tensor) or out.dim() != 4:
         return None
     if name == "repeat_interleave":
@@ -75,7 +76,7 @@ def unrepeated(node) -> fx.Node | None:
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
         if dim not in (1, -3) or not isinstance(repeats, int) or set(node.kwargs) - {"repeats", "dim"}:
             return None
-        s = _value(src)
+        s = example_value(src)
         ok = isinstance(s, torch.Tensor) and _same_shape(out.shape, (s.shape[0], s.shape[1] * repeats, *s.shape[2:]))
         return src if ok else None
     if name != "reshape" or node.op != "call_method" or len(node.args) < 2:
@@ -92,7 +93,7 @@ def unrepeated(node) -> fx.Node | None:
     elif not (inserted.op == "call_method" and inserted.target == "unsqueeze" and inserted.args[1:] in ((2,), (-3,))):
         return None
     src = inserted.args[0]
-    s, u, e = _value(src), _value(inserted), _value(expand)
+    s, u, e = example_value(src), example_value(inserted), example_value(expand)
     if not all(isinstance(t, torch.Tensor) for t in (s, u, e)) or s.dim() != 4 or e.dim() != 5:
         return None
     b, hkv, length, d = s.shape
@@ -111,12 +112,12 @@ def decode_call(node: fx.Node) -> dict | None:
     if a is None:
         return None
     k_src, v_src = unrepeated(a["key"]), unrepeated(a["value"])
-    if k_src is not None and v_src is not None and _same_shape(_value(k_src).shape[1:2], _value(v_src).shape[1:2]):
+    if k_src is not None and v_src is not None and _same_shape(example_value(k_src).shape[1:2], example_value(v_src).shape[1:2]):
         a = dict(a, key=k_src, value=v_src, enable_gqa=True)  # the op repeats heads by itself
-    q, k, v, out = (_value(a["query"]), _value(a["key"]), _value(a["value"]), _value(node))
+    q, k, v, out = (example_value(a["query"]), example_value(a["key"]), example_value(a["value"]), example_value(node))
     mask = a["attn_mask"]
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and not is_traceable_wrapper_subclass(t)
-               for t in (q, k, v, out, _value(mask) if mask is not None else q)):  # a subclass: its own SDPA
+               for t in (q, k, v, out, example_value(mask) if mask is not None else q)):  # a subclass: its own SDPA
         return None
     if not (_static(q.shape[1], q.shape[2], q.shape[3], k.shape[1], k.shape[3], v.shape[3]) and q.shape[2] == 1):
         return None
@@ -131,7 +132,7 @@ def decode_call(node: fx.Node) -> dict | None:
     if not (q.dtype == k.dtype == v.dtype == out.dtype):  # autocast casts SDPA's inputs; the op is not cast
         return None
     if mask is not None:
-        m = _value(mask)
+        m = example_value(mask)
         if not (isinstance(m, torch.Tensor) and m.dim() == 4 and (m.dtype == torch.bool or m.dtype == q.dtype)):
             return None
     scale = a["scale"]

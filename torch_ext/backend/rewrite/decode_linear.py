@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from torch_ext.backend.rewrite.decode_attention import SDPA_TARGETS
+from torch_ext.backend.rewrite.decode_attention import SDPA_TARGETS, example_value
 from torch_ext.backend.rewrite.merge_projections import LINEAR_TARGETS
 from torch_ext.hops import decode_linear as op_module  # registers the op: also where a saved graph calling it loads
 
@@ -34,10 +34,6 @@ _COMPUTING = {"linear", "scaled_dot_product_attention", "decode_attention", "rsq
               "layer_norm", "rms_norm", "matmul", "bmm", "mm", "embedding", "tanh", "sigmoid", "exp", "relu"}
 _WALK_LIMIT = 64  # nodes looked at behind an input
 DEVICES = ("cuda",)  # where the op has its kernel (tests add "cpu": the op runs F.linear there)
-
-
-def _value(node):
-    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else node
 
 
 def _name(node: fx.Node) -> str:
@@ -83,7 +79,7 @@ def decode_call(node: fx.Node) -> dict | None:
         return None
     a = dict(dict(zip(_PARAMS, node.args)), **node.kwargs)
     x_node, w_node, b_node = a.get("input"), a.get("weight"), a.get("bias")
-    x, w, b, out = _value(x_node), _value(w_node), _value(b_node), _value(node)
+    x, w, b, out = example_value(x_node), example_value(w_node), example_value(b_node), example_value(node)
     tensors = (x, w, out) if b_node is None else (x, w, b, out)
     if not all(isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t) for t in tensors):
         return None
