@@ -163,26 +163,33 @@ def test_hf_llama_decode_runs_the_op_and_matches_eager(monkeypatch, fx_pieces, e
     assert counters.decode_linear_calls == (4 * layers + 1 if enabled else 0)
 
 
-def test_pieces_that_run_the_op_get_inductors_dependent_launch(monkeypatch):
-    """Inductor's PDL (its kernels let the op start early) goes to pieces that call the op (or decode
-    attention), on a GPU that has PDL, where this torch has the option; the user's own setting wins."""
+def test_pieces_that_run_the_op_get_dependent_launch_and_combo_kernels(monkeypatch):
+    """Inductor's PDL (its kernels let the op start early) and combo kernels (a layer's small kernels as
+    one launch) go to pieces that call the op (or decode attention) on CUDA, PDL where the GPU has it,
+    each where this torch has it measured; the user's own setting wins."""
     from torch_ext import compat
-    from torch_ext.backend.compile import dependent_launch as dl
+    from torch_ext.backend.compile import decode_options as do
 
     monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
-    monkeypatch.setattr(dl, "_gpu_has_pdl", lambda: True)
+    monkeypatch.setattr(do, "_has_cuda", lambda: True)
+    monkeypatch.setattr(do, "_gpu_has_pdl", lambda: True)
     with_op, _ = _graph(Block().eval(), torch.randn(1, 1, 64))
     rewrite.use_decode_linear(with_op)
     without_op, _ = _graph(Block().eval(), torch.randn(4, 64))
-    expected = {"triton.enable_pdl": True} if compat.has_inductor_pdl() else {}
-    assert dl.dependent_launch_patches(with_op, {}) == expected
-    assert dl.dependent_launch_patches(without_op, {}) == {}
-    assert dl.dependent_launch_patches(with_op, {"triton.enable_pdl": False}) == {}
+    pdl = {"triton.enable_pdl": True} if compat.has_inductor_pdl() else {}
+    combo = {"combo_kernels": True} if compat.combo_kernels_measured() else {}
+    assert compat.combo_kernels_measured() == (compat.versions.TORCH_VERSION >= (2, 11))
+    assert do.decode_piece_patches(with_op, {}) == {**pdl, **combo}
+    assert do.decode_piece_patches(without_op, {}) == {}
+    assert do.decode_piece_patches(with_op, {"triton.enable_pdl": False, "combo_kernels": False}) == {}
+    assert do.decode_piece_patches(with_op, {"combo_kernels": False}) == pdl
     from torch_ext.backend.rewrite.decode_attention import use_decode_attention
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     attention, _ = _graph(lambda q, k, v: sdpa(q, k, v) * 2, *(torch.randn(1, 4, n, 16) for n in (1, 10, 10)))
     assert use_decode_attention(attention, lambda node: False) == 1
-    assert dl.dependent_launch_patches(attention, {}) == expected
-    monkeypatch.setattr(dl, "_gpu_has_pdl", lambda: False)
-    assert dl.dependent_launch_patches(with_op, {}) == {}
+    assert do.decode_piece_patches(attention, {}) == {**pdl, **combo}
+    monkeypatch.setattr(do, "_gpu_has_pdl", lambda: False)
+    assert do.decode_piece_patches(with_op, {}) == combo
+    monkeypatch.setattr(do, "_has_cuda", lambda: False)
+    assert do.decode_piece_patches(with_op, {}) == {}

@@ -184,8 +184,8 @@ class CompileConfig:
     decode_attention: bool = True
     # Inference graphs on CUDA: linear calls of one row (a batch-1 decode step's projections) run
     # torch_ext's GEMV kernel (hops/decode_linear.py; rewrite/decode_linear.py) instead of cuBLAS, with
-    # Inductor's dependent launch on Hopper+ in the pieces that call it or decode attention
-    # (compile/dependent_launch.py).
+    # Inductor's dependent launch (Hopper+) and combo kernels in the pieces that call it or decode
+    # attention (compile/decode_options.py).
     decode_linear: bool = True
     # tqdm progress bars while compiling several pieces (None: only on a terminal).
     progress_bar: bool | None = None

@@ -74,6 +74,15 @@ def saveable_training_patches() -> dict:
     return {}
 
 
+def combo_kernels_measured() -> bool:
+    """Inductor's combo kernels (horizontal fusion) for our decode pieces: measured correct and faster on
+    2.11 (the GPU machines' torch) and on by default there and after; earlier torches had open combo
+    bugs (constexpr arguments, pytorch#168124; the CPU backend, pytorch#167780) and stay as Inductor sets."""
+    from torch_ext.compat.versions import TORCH_VERSION
+
+    return TORCH_VERSION >= (2, 11)
+
+
 def has_inductor_pdl() -> bool:
     """Inductor can emit programmatic dependent launch for its Triton kernels (triton.enable_pdl: 2.11+)."""
     import torch._inductor.config as inductor_config

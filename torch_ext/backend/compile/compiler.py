@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from torch_ext import compat, workarounds
-from torch_ext.backend.compile.dependent_launch import dependent_launch_patches
+from torch_ext.backend.compile.decode_options import decode_piece_patches
 from torch_ext.backend.compile.example_values import restore_example_values
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.counters import counters
@@ -107,7 +107,7 @@ class InductorCompiler:
     def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], variant: Variant, *, name: str = ""):
         """Compile gm for the variant; returns Inductor's CompiledArtifact (callable with *args)."""
         # Workarounds for torch bugs win over the user's options: correct results first.
-        patches = {**dependent_launch_patches(gm, self.config.inductor_options), **self.config.inductor_options,
+        patches = {**decode_piece_patches(gm, self.config.inductor_options), **self.config.inductor_options,
                    **workarounds.inductor_patches(gm)}
         pm = self.pass_manager(variant)
         if pm is not None:
