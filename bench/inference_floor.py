@@ -118,7 +118,9 @@ def kernels_per_step(step, steps: int = 4) -> tuple[float, float]:
     if kernels is None:
         return float("nan"), float("nan")
     names = [e.name for e in kernels if not e.name.startswith(("Memcpy", "Memset"))]
-    gemm = [n for n in names if any(k in n.lower() for k in ("gemm", "gemv", "cutlass", "sm90_", "mm_", "matmul", "decode_linear"))]
+    # Inductor's pointwise kernels carry the names of the ops they fused (".._bmm_..."): not GEMMs.
+    gemm = [n for n in names if n.startswith("decode_linear") or not n.startswith("triton_") and any(
+        k in n.lower() for k in ("gemm", "gemv", "cutlass", "sm90_", "mm_", "matmul"))]
     return len(names) / steps, len(gemm) / steps
 
 
