@@ -92,9 +92,11 @@ def make(name: str, model, root: str, serving: bool = False):
                                      merge_projections=name != "ext-plain",
                                      decode_attention=name != "ext-plain" and not NO_DECODE_ATTENTION,
                                      decode_linear=name not in ("ext-plain", "ext-cublas"),
+                                     decode_linear_fusion=name != "ext-nofuse",
                                      inductor_options={"ext-pdl": {"triton.enable_pdl": True},
                                                        "ext-nopdl": {"triton.enable_pdl": False},
                                                        "ext-combo": {"combo_kernels": True},
+                                                       "ext-nocombo": {"combo_kernels": False},
                                                        "ext-autotune": {"max_autotune": True}}.get(name, {}))
     return torch_ext.compile(model, config, dynamic=dynamic)
 
@@ -144,7 +146,7 @@ def kernel_breakdown(name: str, b: int, step, steps: int = 4, top: int = 40) -> 
 def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
     columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-nopdl", "ext-plain", "ext-pdl",
-                              "ext-combo"]
+                              "ext-combo", "ext-nocombo", "ext-nofuse"]
                if c in args.columns]
     columns += ["autotune", "ext-autotune"] if args.autotune else []
     fns = {}
@@ -248,7 +250,7 @@ def main() -> int:
     parser.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention: 16 heads share these")
     parser.add_argument("--context", type=int, default=None, help="cache length (default 256)")
     parser.add_argument("--columns", default="eager,ro,ro-freeze,ext,ext-plain",
-                        help="any of eager,ro,ro-freeze,ext,ext-cublas,ext-nopdl,ext-plain,ext-pdl,ext-combo; ro is always run (x ro); --autotune adds "
+                        help="any of eager,ro,ro-freeze,ext,ext-cublas,ext-nopdl,ext-plain,ext-pdl,ext-combo,ext-nocombo,ext-nofuse; ro is always run (x ro); --autotune adds "
                              "autotune and ext-autotune")
     parser.add_argument("--decode-linear-rows", type=int, default=None,
                         help="let torch_ext's decode_linear take up to this many rows (default: its MAX_ROWS)")

@@ -1,11 +1,19 @@
 """`torch.ops.torch_ext.decode_linear`: F.linear for a few rows (a decode step's projections), at
 memory bandwidth.
 
-    decode_linear(x, weight, bias, prefetch) -> F.linear(x, weight, bias)
+    decode_linear(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None)
+        -> F.linear(prologue(x), weight, bias) (+ residual)
         x: (..., K) with at most MAX_ROWS rows in all; weight (N, K); bias None or (N,).
         prefetch: the weight is written by no kernel of the graph the call runs in, and a kernel of
         that graph runs before it (the rewrite checks both): the kernel may then load its first
         weight columns before the kernel before it has finished (programmatic dependent launch).
+        norm_weight (K,): x is first RMS-normalized as HF's RMSNorm does:
+            h = x.float(); x = norm_weight * (h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        up (..., K) like x: then x = silu(x) * up (a gated MLP's input to its down projection).
+        residual (..., N): added to the projection's output (a residual stream's add).
+
+The fused parts (rewrite/decode_linear_fusion.py puts them in) save a decode layer the launches and
+round trips of its norms, its gate and its residual adds: per layer three kernels fewer.
 
 Why: at one row a projection is a GEMV whose kernel is short (2-18 us) and pays a ramp and a tail
 each time; cuBLAS's GEMVs ran a chain of Llama-shaped projections at 1.64x the bytes' floor on an
@@ -24,7 +32,8 @@ import torch
 
 from torch_ext.hops.fused_add_rms_norm import has_triton
 
-__all__ = ["MAX_ROWS", "decode_linear", "decode_linear_triton", "kernel_takes"]
+__all__ = ["MAX_ROWS", "decode_linear", "decode_linear_reference", "decode_linear_triton", "kernel_takes",
+           "prologue_reference"]
 
 # Rows (batch x tokens) the kernel serves; more run F.linear. H100, a chain of Llama projections
 # (bench/decode_linear_op.py): one row 0.83x cuBLAS's time, two 1.02x, four 1.30x, eight 1.35x.
@@ -33,33 +42,57 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @torch.library.custom_op("torch_ext::decode_linear", mutates_args=())
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prefetch: bool) -> torch.Tensor:
-    """Every device without the kernel: F.linear."""
-    return torch.nn.functional.linear(x, weight, bias)
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prefetch: bool,
+                  norm_weight: torch.Tensor | None = None, eps: float = 0.0, up: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Every device without the kernel: the eager formulation."""
+    return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual)
 
 
 @decode_linear.register_fake
-def _(x, weight, bias, prefetch):
+def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @decode_linear.register_kernel("cuda")
-def _(x, weight, bias, prefetch):
-    if not (has_triton() and kernel_takes(x, weight, bias)):
-        return torch.nn.functional.linear(x, weight, bias)
+def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None):
+    if not (has_triton() and kernel_takes(x, weight, bias, norm_weight, up, residual)):
+        return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual)
     from torch_ext.hops.pdl_kernels import has_pdl
 
-    return decode_linear_triton(x, weight, bias, prefetch and has_pdl(x.device))
+    return decode_linear_triton(x, weight, bias, prefetch and has_pdl(x.device), norm_weight=norm_weight, eps=eps,
+                                up=up, residual=residual)
 
 
-def kernel_takes(x, weight, bias) -> bool:
-    """Shapes and layouts the kernel serves (the op falls back to F.linear on the rest)."""
+def decode_linear_reference(x, weight, bias, norm_weight=None, eps: float = 0.0, up=None, residual=None):
+    """What the op computes, as eager writes it (HF's RMSNorm, silu(gate) * up, a residual add)."""
+    y = torch.nn.functional.linear(prologue_reference(x, norm_weight, eps, up), weight, bias)
+    return y if residual is None else y + residual
+
+
+def prologue_reference(x, norm_weight=None, eps: float = 0.0, up=None):
+    """The linear's input after the fused norm and gate, rounded where eager rounds."""
+    if norm_weight is not None:
+        h = x.float()
+        x = norm_weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if up is not None:
+        x = torch.nn.functional.silu(x) * up
+    return x
+
+
+def kernel_takes(x, weight, bias, norm_weight=None, up=None, residual=None) -> bool:
+    """Shapes and layouts the kernel serves (the op falls back to the reference on the rest)."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
+    n = weight.shape[0] if weight.dim() == 2 else -1
+
+    def plain(t, shape) -> bool:  # an optional operand: x's dtype, the given shape, contiguous
+        return t is None or (t.dtype == x.dtype and t.shape == shape and t.is_contiguous())
+
     return (0 < rows <= MAX_ROWS and weight.dim() == 2 and weight.shape[1] == k and k % 64 == 0
             and weight.is_contiguous() and x.dtype in _DTYPES and weight.dtype == x.dtype
-            and (bias is None or (bias.dim() == 1 and bias.dtype == x.dtype and bias.is_contiguous()
-                                  and bias.shape[0] == weight.shape[0])))
+            and plain(bias, (n,)) and plain(norm_weight, (k,)) and plain(up, x.shape)
+            and plain(residual, (*x.shape[:-1], n)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,10 +115,11 @@ def config(rows: int, k: int, dtype: torch.dtype, path: str | None = None) -> di
     return dict(BLOCK_M=block_m, BLOCK_N=2, BLOCK_K=block_k, PRE_K=pre_k, PATH=path, num_warps=4)
 
 
-def decode_linear_triton(x, weight, bias, pdl: bool, path: str | None = None,
-                         overrides: dict | None = None) -> torch.Tensor:
+def decode_linear_triton(x, weight, bias, pdl: bool, path: str | None = None, overrides: dict | None = None, *,
+                         norm_weight=None, eps: float = 0.0, up=None, residual=None) -> torch.Tensor:
     """The Triton path (also on CPU tensors under TRITON_INTERPRET=1, with pdl False, for tests); path
-    and overrides (launch config entries) replace the kernel's choice (bench/decode_linear_op.py)."""
+    and overrides (launch config entries) replace the kernel's choice (bench/decode_linear_op.py).
+    The norm and gate run on the one-row path only."""
     import triton
 
     from torch_ext.hops.decode_linear_kernels import decode_linear_kernel
@@ -98,7 +132,12 @@ def decode_linear_triton(x, weight, bias, pdl: bool, path: str | None = None,
     rows = x2.shape[0]
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     cfg = {**config(rows, k, x.dtype, path), **(overrides or {})}
+    if (norm_weight is not None or up is not None) and cfg["PATH"] != "row":
+        raise ValueError(f"decode_linear: the norm and gate prologues run on the one-row path, not {cfg['PATH']!r}")
+    up2 = up.reshape(-1, k).contiguous() if up is not None else x2
+    res2 = residual.reshape(-1, n).contiguous() if residual is not None else y
     decode_linear_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x2, weight, bias if bias is not None else weight, y, rows, n, K=k, HAS_BIAS=bias is not None, PDL=pdl, **cfg,
-        **launch_options(pdl))
+        x2, weight, bias if bias is not None else weight, y, norm_weight if norm_weight is not None else weight,
+        up2, res2, float(eps), rows, n, K=k, HAS_BIAS=bias is not None, PDL=pdl, NORM=norm_weight is not None,
+        GATED=up is not None, RESIDUAL=residual is not None, **cfg, **launch_options(pdl))
     return y.view(*x.shape[:-1], n)

@@ -8,6 +8,10 @@ bias and the output are touched only after the wait.
 
 PATH: "row" (one row: a weight tile times a vector), "rows" (a few rows, each a weight tile times a
 vector, the tile loaded once), "dot" (16-bit inputs, rows padded to 16: tensor cores).
+
+The "row" path also fuses what a decode layer runs around its projections (the op's docstring):
+NORM, an RMSNorm of x first (each program sums x's squares itself: one row is a few KB from L2);
+GATED, silu(x) * up; RESIDUAL, an add after. Each rounds to x's dtype where eager does.
 """
 from __future__ import annotations
 
@@ -18,10 +22,26 @@ from torch_ext.hops.pdl_kernels import wait_then_release
 
 
 @triton.jit
-def _tile_times_rows(acc, w, x_ptr, cols, M, K: tl.constexpr, BLOCK_M: tl.constexpr, PATH: tl.constexpr):
+def _row_prologue(x_ptr, up_ptr, g_ptr, cols, inv_rms, NORM: tl.constexpr, GATED: tl.constexpr):
+    """x[cols] after the fused prologue, in float32 holding x's dtype's values."""
+    x = tl.load(x_ptr + cols)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    if NORM:  # HF's order: normalize in float32, round, then the weight in x's dtype
+        x = (x * inv_rms).to(dtype).to(tl.float32)
+        x = (tl.load(g_ptr + cols).to(tl.float32) * x).to(dtype).to(tl.float32)
+    if GATED:
+        x = (x * tl.sigmoid(x)).to(dtype).to(tl.float32)
+        x = (x * tl.load(up_ptr + cols).to(tl.float32)).to(dtype).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _tile_times_rows(acc, w, x_ptr, up_ptr, g_ptr, cols, inv_rms, M, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                     PATH: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr):
     """acc (BLOCK_M, BLOCK_N) += x[:, cols] @ w.T for the weight tile w (BLOCK_N, len(cols))."""
     if PATH == "row":
-        x = tl.load(x_ptr + cols).to(tl.float32)
+        x = _row_prologue(x_ptr, up_ptr, g_ptr, cols, inv_rms, NORM, GATED)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)[None, :]
     elif PATH == "dot":
         rows = tl.arange(0, BLOCK_M)
@@ -38,22 +58,34 @@ def _tile_times_rows(acc, w, x_ptr, cols, M, K: tl.constexpr, BLOCK_M: tl.conste
 
 
 @triton.jit
-def decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRE_K: tl.constexpr, PDL: tl.constexpr, PATH: tl.constexpr):
+def decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, up_ptr, res_ptr, eps, M, N, K: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PRE_K: tl.constexpr, PDL: tl.constexpr, PATH: tl.constexpr, NORM: tl.constexpr,
+                         GATED: tl.constexpr, RESIDUAL: tl.constexpr):
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = features < N
     pre_cols = tl.arange(0, PRE_K)
     w_pre = tl.load(w_ptr + features[:, None] * K + pre_cols[None, :], mask=live[:, None], other=0.0)
     wait_then_release(PDL)  # x is complete, y is ours to write
+    inv_rms = 1.0
+    if NORM:  # the "row" path only (the op checks): one row's mean square
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xk = tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
+            squares += xk * xk
+        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = _tile_times_rows(acc, w_pre, x_ptr, pre_cols, M, K, BLOCK_M, PATH)
+    acc = _tile_times_rows(acc, w_pre, x_ptr, up_ptr, g_ptr, pre_cols, inv_rms, M, K, BLOCK_M, PATH, NORM, GATED)
     for k0 in range(PRE_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + features[:, None] * K + cols[None, :], mask=live[:, None], other=0.0)
-        acc = _tile_times_rows(acc, w, x_ptr, cols, M, K, BLOCK_M, PATH)
+        acc = _tile_times_rows(acc, w, x_ptr, up_ptr, g_ptr, cols, inv_rms, M, K, BLOCK_M, PATH, NORM, GATED)
     if HAS_BIAS:
         acc += tl.load(b_ptr + features, mask=live, other=0.0).to(tl.float32)[None, :]
     out_rows = tl.arange(0, BLOCK_M)
-    tl.store(y_ptr + out_rows[:, None] * N + features[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(out_rows < M)[:, None] & live[None, :])
+    out_mask = (out_rows < M)[:, None] & live[None, :]
+    out = acc.to(y_ptr.dtype.element_ty)
+    if RESIDUAL:  # eager adds the rounded projection to the residual, in y's dtype
+        res = tl.load(res_ptr + out_rows[:, None] * N + features[None, :], mask=out_mask, other=0.0)
+        out = (out.to(tl.float32) + res.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + out_rows[:, None] * N + features[None, :], out, mask=out_mask)

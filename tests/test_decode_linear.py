@@ -51,6 +51,44 @@ def test_kernel_equals_a_float64_reference_in_the_interpreter():
     run_in_interpreter(KERNEL_CHECK)
 
 
+FUSED_CHECK = r'''
+import torch
+from torch_ext.hops.decode_linear import decode_linear_reference, decode_linear_triton, prologue_reference
+torch.manual_seed(0)
+worst = 0.0
+# No bfloat16: the interpreter rounds float32 -> bfloat16 toward zero (the GPU test checks bfloat16).
+for k, n, dtype in [(2048, 9, torch.float16), (320, 5, torch.float32), (256, 3, torch.float16)]:
+    for norm, gated, residual, bias in [(True, False, False, False), (False, True, False, True),
+                                        (False, False, True, False), (True, True, True, True)]:
+        x = torch.randn(1, 1, k, dtype=dtype) * 3
+        w = torch.randn(n, k, dtype=dtype) / k ** 0.5
+        args = dict(norm_weight=torch.rand(k, dtype=dtype) + 0.5 if norm else None, eps=1e-5,
+                    up=torch.randn(1, 1, k, dtype=dtype) if gated else None,
+                    residual=torch.randn(1, 1, n, dtype=dtype) if residual else None)
+        b = torch.randn(n, dtype=dtype) if bias else None
+        y = decode_linear_triton(x, w, b, False, **args)
+        # Eager's prologue (rounding where it rounds), then the projection in float64, rounded, plus the
+        # residual: what the op computes, without the CPU's own low-precision matmul.
+        xp = prologue_reference(x, args["norm_weight"], args["eps"], args["up"])
+        expected = torch.nn.functional.linear(xp.double(), w.double(), b.double() if bias else None).to(dtype)
+        if residual:
+            expected = expected + args["residual"]
+        assert y.shape == expected.shape == (1, 1, n) and y.dtype == dtype, (k, n, dtype)
+        assert decode_linear_reference(x, w, b, **args).shape == y.shape
+        err = ((y.double() - expected.double()).norm() / expected.double().norm()).item()
+        assert err < (1e-5 if dtype == torch.float32 else 1e-2), (k, n, dtype, norm, gated, residual, err)
+        worst = max(worst, err)
+print("WORST", worst)
+'''
+
+
+@pytest.mark.slow
+def test_fused_norm_gate_and_residual_equal_the_eager_formulation_in_the_interpreter():
+    """The one-row kernel with an RMSNorm before (HF's rounding), silu(gate) * up before, a residual
+    add after, alone and together, equals the op's reference (what eager computes)."""
+    run_in_interpreter(FUSED_CHECK)
+
+
 def test_op_is_linear_off_the_kernel():
     """Off CUDA (and on shapes the kernel does not take) the op is F.linear, bias or not."""
     x, w, b = torch.randn(2, 3, 64), torch.randn(5, 64), torch.randn(5)
@@ -150,17 +188,20 @@ def test_rewrite_leaves_cpu_graphs_alone():
     assert rewrite.use_decode_linear(gm) == 0
 
 
-@pytest.mark.parametrize("enabled", [True, False])
-def test_hf_llama_decode_runs_the_op_and_matches_eager(monkeypatch, fx_pieces, enabled):  # noqa: F811
+@pytest.mark.parametrize("enabled,fusion", [(True, True), (True, False), (False, True)])
+def test_hf_llama_decode_runs_the_op_and_matches_eager(monkeypatch, fx_pieces, enabled, fusion):  # noqa: F811
     """An HF Llama decode step at batch 1 through torch_ext.compile: every projection of the decode graph (merged
-    q/k/v and gate/up, o, down, lm_head) runs the op, logits and caches equal eager's over several
-    steps; decode_linear=False turns it off."""
+    q/k/v and gate/up, o, down, lm_head) runs the op, with both RMSNorms, the gate and both residual
+    adds of each layer inside it; logits and caches equal eager's over several steps.
+    decode_linear=False turns it off, decode_linear_fusion=False the fused parts."""
     monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
     model = hf.build("llama").eval()
-    config = CompileConfig(cache_dir=None, guard_free_dispatch=True, decode_linear=enabled)
+    config = CompileConfig(cache_dir=None, guard_free_dispatch=True, decode_linear=enabled, decode_linear_fusion=fusion)
     decode_matches_eager(model, torch_ext.compile(model, config, dynamic=False), batch=1)
     layers = model.config.num_hidden_layers
     assert counters.decode_linear_calls == (4 * layers + 1 if enabled else 0)
+    # The final norm feeds lm_head through HF's logits_to_keep slice: not an RMSNorm's output.
+    assert counters.decode_linear_fusions == (5 * layers if enabled and fusion else 0)
 
 
 def test_pieces_that_run_the_op_get_dependent_launch_and_combo_kernels(monkeypatch):

@@ -35,6 +35,30 @@ def test_kernel_equals_a_float64_reference(path, pdl, dtype, tol, rows, k, n, bi
     assert _error(out, x, w, b) < tol
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("parts", [("norm",), ("up",), ("residual",), ("norm", "up", "residual")])
+def test_fused_parts_equal_the_eager_formulation(pdl, dtype, parts):
+    """The norm / gate / residual add run inside the kernel: eager's prologue (its roundings), then the
+    projection in float64, rounded, plus the residual; bfloat16 here (the interpreter rounds it wrong)."""
+    from torch_ext.hops.decode_linear import prologue_reference
+
+    k, n = 2048, 5632
+    g = torch.Generator(device="cuda").manual_seed(len(parts))
+    x = torch.randn(1, 1, k, device="cuda", dtype=dtype, generator=g) * 3
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5
+    args = dict(norm_weight=torch.rand(k, device="cuda", dtype=dtype, generator=g) + 0.5 if "norm" in parts else None,
+                eps=1e-6, up=torch.randn(1, 1, k, device="cuda", dtype=dtype, generator=g) if "up" in parts else None,
+                residual=torch.randn(1, 1, n, device="cuda", dtype=dtype, generator=g) if "residual" in parts else None)
+    out = decode_linear_triton(x, w, None, pdl, **args)
+    xp = prologue_reference(x, args["norm_weight"], args["eps"], args["up"])
+    expected = torch.nn.functional.linear(xp.double(), w.double()).to(dtype)
+    if args["residual"] is not None:
+        expected = expected + args["residual"]
+    err = ((out.double() - expected.double()).norm() / expected.double().norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
 def test_a_chain_with_dependent_launch_in_a_cuda_graph_reads_each_input_complete():
     """Linears that load their weights before the kernel before them finishes, reading the previous
     one's output directly or through a pointwise kernel, captured and replayed on fresh inputs: a read

@@ -22,6 +22,7 @@ from torch_ext.backend.compile.cache import ArtifactStore, UnsafeCacheDirError, 
 from torch_ext.backend.compile.compiler import InductorCompiler
 from torch_ext.backend.rewrite.decode_attention import use_decode_attention
 from torch_ext.backend.rewrite.decode_linear import use_decode_linear
+from torch_ext.backend.rewrite.decode_linear_fusion import fuse_into_decode_linear
 from torch_ext.backend.rewrite.merge_projections import MergePlan, merge_projections
 from torch_ext.backend.runtime.checkpoint import CheckpointedRegion
 from torch_ext.backend.runtime.cudagraph.buffer_stores import expect_transformed_code
@@ -152,6 +153,8 @@ class TorchExtBackend:
             counters.decode_attention_calls += use_decode_attention(gm, lambda n: self.matcher.match(n) is not None)
         if self.config.decode_linear:  # after the merge: merged projections are linears of their own
             counters.decode_linear_calls += use_decode_linear(gm)
+            if self.config.decode_linear_fusion:
+                counters.decode_linear_fusions += fuse_into_decode_linear(gm)
         return gm, plan
 
     def _store(self, gm: fx.GraphModule, key: str | None = None) -> ArtifactStore | None:

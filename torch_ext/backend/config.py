@@ -187,6 +187,9 @@ class CompileConfig:
     # Inductor's dependent launch (Hopper+) and combo kernels in the pieces that call it or decode
     # attention (compile/decode_options.py).
     decode_linear: bool = True
+    # Those calls also run the RMSNorm before them, silu(gate) * up before them and the residual add
+    # after them, where the graph has HF's forms (rewrite/decode_linear_fusion.py): fewer kernels.
+    decode_linear_fusion: bool = True
     # tqdm progress bars while compiling several pieces (None: only on a terminal).
     progress_bar: bool | None = None
     # CUDA graphs (README: CUDA graphs): "none", "piecewise" (a graph per compiled piece, splitting
@@ -260,7 +263,7 @@ class CompileConfig:
         set_("debug_dump_dir", os.path.abspath(os.path.expanduser(dump)) if dump else None)
 
         for flag in ("dedup", "cudagraph_check_addresses", "guard_free_dispatch", "unfuse_output_addmm",
-                     "merge_projections", "decode_attention", "decode_linear"):
+                     "merge_projections", "decode_attention", "decode_linear", "decode_linear_fusion"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(flag, f"expected True or False, got {getattr(self, flag)!r}", f"Write {flag}=True")
         if self.warm_start is not None and not isinstance(self.warm_start, bool):
@@ -325,6 +328,7 @@ class CompileConfig:
             "merge_projections": self.merge_projections,
             "decode_attention": self.decode_attention,
             "decode_linear": self.decode_linear,
+            "decode_linear_fusion": self.decode_linear_fusion,
             # Pass identity also goes into every artifact key through PassManager.uuid().
             "post_grad_passes": [_qualified_name(p) for p in self.post_grad_passes],
         }

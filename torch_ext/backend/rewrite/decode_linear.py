@@ -30,19 +30,23 @@ log = logging.getLogger("torch_ext.backend")
 _PARAMS = ("input", "weight", "bias")
 # Ops that always launch a kernel: none is an identity Inductor could drop on some input (pow by 1, a
 # mean over a dim of one could be), so an input downstream of one is produced by this graph's kernels.
-_COMPUTING = {"linear", "scaled_dot_product_attention", "decode_attention", "rsqrt", "silu", "gelu", "softmax",
+_COMPUTING = {"linear", "decode_linear", "scaled_dot_product_attention", "decode_attention", "rsqrt", "silu", "gelu", "softmax",
               "layer_norm", "rms_norm", "matmul", "bmm", "mm", "embedding", "tanh", "sigmoid", "exp", "relu"}
 _WALK_LIMIT = 64  # nodes looked at behind an input
 DEVICES = ("cuda",)  # where the op has its kernel (tests add "cpu": the op runs F.linear there)
 
 
-def _name(node: fx.Node) -> str:
+def op_name(node: fx.Node) -> str:
+    """A call's op without its namespace: "mul" for operator.mul, torch.mul and x.mul; "decode_linear"
+    for torch.ops.torch_ext.decode_linear.default."""
     if node.op == "call_method":
         return node.target
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.name.split("::")[-1]
     return getattr(node.target, "__name__", str(node.target)).split(".")[-1]
 
 
-def _computed_in_graph(node: fx.Node) -> bool:
+def computed_in_graph(node: fx.Node) -> bool:
     """Whether node depends on an op of the graph that launches a kernel."""
     seen, todo = set(), [node]
     while todo and len(seen) < _WALK_LIMIT:
@@ -50,7 +54,7 @@ def _computed_in_graph(node: fx.Node) -> bool:
         if n in seen:
             continue
         seen.add(n)
-        if n.op in ("call_function", "call_method") and (_name(n) in _COMPUTING or n.target in SDPA_TARGETS):
+        if n.op in ("call_function", "call_method") and (op_name(n) in _COMPUTING or n.target in SDPA_TARGETS):
             return True
         todo.extend(n.all_input_nodes)
     return False
@@ -90,7 +94,7 @@ def decode_call(node: fx.Node) -> dict | None:
     if not 0 < math.prod(x.shape[:-1]) <= op_module.MAX_ROWS or not all(t.dtype == x.dtype for t in tensors):
         return None
     prefetch = (_read_only_input(w_node) and (b_node is None or _read_only_input(b_node))
-                and isinstance(x_node, fx.Node) and _computed_in_graph(x_node))
+                and isinstance(x_node, fx.Node) and computed_in_graph(x_node))
     return {"x": x_node, "weight": w_node, "bias": b_node, "prefetch": prefetch}
 
 

@@ -1,0 +1,127 @@
+"""rewrite/decode_linear_fusion.py: the RMSNorm and gate before a one-row projection and the residual
+add after it, folded into its torch_ext::decode_linear call; everything that differs from those forms
+left alone. The rewrite fires on CUDA inputs only; here it is let onto the CPU, where the op runs its
+reference (eager's formulation), so a fused graph must give eager's results exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_ext.backend.rewrite import decode_linear as rewrite
+from torch_ext.backend.rewrite.decode_linear_fusion import fuse_into_decode_linear
+from test_decode_linear import _calls, _graph
+
+DIM, HIDDEN = 64, 128
+
+
+class RMSNorm(torch.nn.Module):
+    """HF's LlamaRMSNorm, as written there."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(dim) + 0.5)
+        self.eps = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.eps)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class Layer(torch.nn.Module):
+    """A Llama decoder layer's projections and what runs between them (attention left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = RMSNorm(DIM), RMSNorm(DIM)
+        self.qkv = torch.nn.Linear(DIM, DIM, bias=False)
+        self.o = torch.nn.Linear(DIM, DIM, bias=True)
+        self.gate, self.up = torch.nn.Linear(DIM, HIDDEN, bias=False), torch.nn.Linear(DIM, HIDDEN, bias=False)
+        self.down = torch.nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x):
+        h = torch.tanh(x)  # a kernel of the graph before the first projection
+        h = h + self.o(self.qkv(self.norm1(h)))
+        y = self.norm2(h)
+        return h + self.down(torch.nn.functional.silu(self.gate(y)) * self.up(y))
+
+
+def _rewritten(model, x):
+    gm, inputs = _graph(model, x)
+    with torch.no_grad():
+        expected = gm(*inputs)
+    rewrite.use_decode_linear(gm)
+    fused = fuse_into_decode_linear(gm)
+    with torch.no_grad():
+        out = gm(*inputs)
+    return gm, fused, out, expected
+
+
+def _fused_parts(call):
+    args = list(call.args) + [None] * (8 - len(call.args))
+    return {name for name, i in (("norm", 4), ("up", 6), ("residual", 7)) if args[i] is not None}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_llama_layer_runs_its_norms_gate_and_residual_adds_inside_the_projections(monkeypatch, dtype):
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    gm, fused, out, expected = _rewritten(Layer().to(dtype).eval(), torch.randn(1, 1, DIM, dtype=dtype))
+    assert fused == 5  # two norms, the gate, two residual adds
+    qkv, o, gate, up, down = _calls(gm)
+    assert [_fused_parts(c) for c in (qkv, o, gate, up, down)] == [
+        {"norm"}, {"residual"}, {"norm"}, {"norm"}, {"up", "residual"}]
+    names = {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes}
+    assert not names & {"rsqrt", "silu", "pow", "mean"}  # the norms' and the gate's nodes are gone
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)  # eager's formulation, rounding as eager does
+
+
+def test_prefetch_is_dropped_where_the_fused_norm_leaves_no_kernel_before_the_call(monkeypatch):
+    """The norm's kernel was the graph's own kernel before the projection; fused away, the projection
+    reading the graph input directly may follow the caller's weight.copy_(): no early weight load."""
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    norm, lin = RMSNorm(DIM), torch.nn.Linear(DIM, DIM, bias=False)
+    gm, fused, out, expected = _rewritten(lambda x: lin(norm(x)), torch.randn(1, DIM))
+    (call,) = _calls(gm)
+    assert fused == 1 and _fused_parts(call) == {"norm"} and call.args[3] is False
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    gm, fused, _, _ = _rewritten(lambda x: lin(norm(x.tanh())), torch.randn(1, DIM))
+    (call,) = _calls(gm)
+    assert fused == 1 and call.args[3] is True
+
+
+class Unfusable(torch.nn.Module):
+    """Near misses of each form: a norm whose output another op reads, a mean over another dim, a
+    gate whose up broadcasts, an add that broadcasts."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = RMSNorm(DIM)
+        self.a, self.b, self.c = (torch.nn.Linear(DIM, DIM, bias=False) for _ in range(3))
+        self.bias = torch.nn.Parameter(torch.randn(DIM))
+
+    def forward(self, x):
+        x = x.tanh()
+        y = self.norm(x)
+        h = self.a(y) + y.sum()  # y read by a non-projection too
+        hf = h.float()
+        z = (hf * torch.rsqrt(hf.pow(2).mean(0, keepdim=True) + 1e-6)) * self.norm.weight  # mean over dim 0
+        g = torch.nn.functional.silu(self.b(z)) * self.bias  # up broadcasts over the rows
+        return self.c(g) + self.bias  # a broadcasting add
+
+
+def test_near_misses_are_left_alone(monkeypatch):
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    gm, fused, out, expected = _rewritten(Unfusable().eval(), torch.randn(1, DIM))
+    assert fused == 0 and all(not _fused_parts(c) for c in _calls(gm))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_torch_rms_norm_is_left_to_inductor(monkeypatch):
+    """torch.nn.RMSNorm rounds once, at its end, unlike HF's norm: not taken (the op computes HF's)."""
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    norm, lin = torch.nn.RMSNorm(DIM), torch.nn.Linear(DIM, DIM, bias=False)
+    gm, fused, out, expected = _rewritten(lambda x: lin(norm(x.tanh())), torch.randn(1, DIM, dtype=torch.float32))
+    assert fused == 0
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)

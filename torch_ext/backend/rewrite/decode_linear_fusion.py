@@ -1,0 +1,248 @@
+"""What a decode layer runs around its one-row projections, folded into torch_ext::decode_linear calls.
+
+After rewrite/decode_linear.py a Llama-style layer (HF's RMSNorm, a gated MLP, residual adds) reads
+
+    h1 = h + decode_linear(attn, Wo)                                  # residual add
+    y  = g * (h1f * rsqrt(h1f.pow(2).mean(-1, keepdim=True) + eps)).to(dt)   # RMSNorm, h1f = h1.to(float32)
+    gate, up = split(decode_linear(y, Wgu))
+    h2 = h1 + decode_linear(silu(gate) * up, Wdown)
+
+and Inductor runs each norm, the gate and each add as a kernel of its own: it cannot fuse into our op.
+Here, where the graph has exactly these forms (hops/decode_linear.py computes them as eager does):
+  - norm: a call whose input is such an RMSNorm's output, used by decode_linear calls alone, takes h1,
+    g and eps instead (norm_weight=, eps=);
+  - gate: a call whose input is silu(a) * b, used by decode_linear calls alone, takes a and up=b;
+  - residual: an add of a call's output (used by that add alone) and a tensor of the output's shape
+    and dtype becomes the call with residual= (no broadcasting add).
+The nodes of a norm or gate left without users are erased. Anything else is left as it was.
+"""
+from __future__ import annotations
+
+import logging
+import numbers
+
+import torch
+import torch.fx as fx
+
+from torch_ext.backend.rewrite.decode_attention import example_value
+from torch_ext.backend.rewrite.decode_linear import computed_in_graph, op_name
+
+log = logging.getLogger("torch_ext.backend")
+
+_CONVERSIONS = {"to", "float", "type_as", "half", "bfloat16"}
+# decode_linear's arguments by position: (x, weight, bias, prefetch, norm_weight, eps, up, residual)
+_X, _PREFETCH, _NORM_WEIGHT, _EPS, _UP, _RESIDUAL = 0, 3, 4, 5, 6, 7
+
+
+def _op():
+    return torch.ops.torch_ext.decode_linear.default
+
+
+def _full_args(call: fx.Node) -> list:
+    """The call's arguments, all eight by position."""
+    args = list(call.args) + [None, 0.0, None, None][len(call.args) - 4:]
+    for i, name in ((_NORM_WEIGHT, "norm_weight"), (_EPS, "eps"), (_UP, "up"), (_RESIDUAL, "residual")):
+        if name in call.kwargs:
+            args[i] = call.kwargs[name]
+    return args
+
+
+def _is_call(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is _op()
+
+
+def _is_plain_call(node) -> bool:
+    """A decode_linear call with nothing fused yet."""
+    if not _is_call(node):
+        return False
+    args = _full_args(node)
+    return args[_NORM_WEIGHT] is None and args[_UP] is None and args[_RESIDUAL] is None
+
+
+def _tensor(node):
+    value = example_value(node) if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _binary(node: fx.Node, name: str):
+    """(a, b) of a two-operand call `name` (operator, torch function or method) without extra options."""
+    if node.op not in ("call_function", "call_method") or op_name(node) != name:
+        return None
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    return node.args
+
+
+def _conversion_source(node) -> fx.Node | None:
+    """x for a node that only changes x's dtype (x.to(dtype), x.float(), ...)."""
+    if not isinstance(node, fx.Node) or op_name(node) not in _CONVERSIONS or not node.args:
+        return None
+    src, out = node.args[0], _tensor(node)
+    before = _tensor(src)
+    if before is None or out is None or before.shape != out.shape or before.device != out.device:
+        return None
+    return src
+
+
+def _last_dim(dim, ndim: int) -> bool:
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    return isinstance(dim, int) and dim in (-1, ndim - 1)
+
+
+def match_rms_norm(y: fx.Node):
+    """(h, g, eps, nodes) where y = g * (hf * rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    with hf = h.to(float32) (or h itself in float32); nodes: the norm's own nodes, last first."""
+    operands = _binary(y, "mul")
+    out = _tensor(y)
+    if operands is None or out is None:
+        return None
+    for g, c in (operands, operands[::-1]):
+        gv = _tensor(g)
+        if gv is None or gv.dim() != 1 or gv.shape[0] != out.shape[-1] or gv.dtype != out.dtype:
+            continue
+        n = _conversion_source(c) or c
+        found = _norm_core(n)
+        if found is None or _tensor(c).dtype != out.dtype:
+            continue
+        h, hf, eps, core = found
+        hv = _tensor(h)
+        if hv is None or hv.dtype != out.dtype or hv.shape != out.shape:
+            continue
+        nodes = ([c] if c is not n else []) + core + ([hf] if hf is not h else [])
+        return h, g, eps, nodes
+    return None
+
+
+def _norm_core(n):
+    """(h, hf, eps, [n, r, s, var, p]) for n = hf * rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)."""
+    operands = _binary(n, "mul") if isinstance(n, fx.Node) else None
+    if operands is None:
+        return None
+    for hf, r in (operands, operands[::-1]):
+        if not (isinstance(r, fx.Node) and op_name(r) == "rsqrt" and len(r.args) == 1 and not r.kwargs):
+            continue
+        s = r.args[0]
+        added = _binary(s, "add") if isinstance(s, fx.Node) else None
+        if added is None:
+            continue
+        var, eps = added if isinstance(added[1], numbers.Real) else added[::-1]
+        if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not isinstance(var, fx.Node):
+            continue
+        if op_name(var) != "mean" or not var.args:
+            continue
+        dim = var.args[1] if len(var.args) > 1 else var.kwargs.get("dim")
+        keepdim = var.args[2] if len(var.args) > 2 else var.kwargs.get("keepdim", False)
+        if keepdim is not True or set(var.kwargs) - {"dim", "keepdim"} or len(var.args) > 3:
+            continue
+        p = var.args[0]
+        powed = _binary(p, "pow") if isinstance(p, fx.Node) else None
+        if powed is None or powed[0] is not hf or powed[1] not in (2, 2.0):
+            continue
+        hfv = _tensor(hf)
+        if hfv is None or hfv.dtype != torch.float32 or not _last_dim(dim, hfv.dim()):
+            continue
+        h = _conversion_source(hf) or hf
+        return h, hf, float(eps), [n, r, s, var, p]
+    return None
+
+
+def match_gate(x: fx.Node):
+    """(a, b, silu_node) where x = silu(a) * b (either order), a and b of x's shape and dtype."""
+    operands = _binary(x, "mul")
+    out = _tensor(x)
+    if operands is None or out is None:
+        return None
+    for s, b in (operands, operands[::-1]):
+        if not (isinstance(s, fx.Node) and op_name(s) == "silu" and len(s.args) == 1):
+            continue
+        if s.kwargs.get("inplace", False):
+            continue
+        a = s.args[0]
+        if all(_tensor(t) is not None and _tensor(t).shape == out.shape and _tensor(t).dtype == out.dtype
+               for t in (a, b)):
+            return a, b, s
+    return None
+
+
+def _only_read_as_input(node: fx.Node) -> bool:
+    """Every user of node is a plain decode_linear call reading it as x."""
+    return bool(node.users) and all(_is_plain_call(u) and u.args[_X] is node and
+                                    sum(a is node for a in u.all_input_nodes) == 1 for u in node.users)
+
+
+def _private(nodes: list, owner: fx.Node) -> bool:
+    """The pattern's nodes are used only inside it (owner is its output)."""
+    inside = set(nodes) | {owner}
+    return all(set(n.users) <= inside for n in nodes)
+
+
+def _still_safe(args: list) -> tuple:
+    """The call's arguments with prefetch kept only where a kernel of the graph still runs before it:
+    the norm or gate kernel that made its input is gone (rewrite/decode_linear.py: why that matters)."""
+    inputs = [args[_X], args[_UP], args[_RESIDUAL]]
+    args[_PREFETCH] = args[_PREFETCH] and any(isinstance(t, fx.Node) and computed_in_graph(t) for t in inputs)
+    return tuple(args)
+
+
+def _erase(gm: fx.GraphModule, nodes: list) -> None:
+    for node in nodes:  # last first: each has no users once those after it are gone
+        if not node.users:
+            gm.graph.erase_node(node)
+
+
+def fuse_into_decode_linear(gm: fx.GraphModule) -> int:
+    """Fold norms, gates and residual adds into gm's decode_linear calls (in place); returns how many."""
+    fused = 0
+    for node in list(gm.graph.nodes):
+        if node.op not in ("call_function", "call_method"):
+            continue
+        norm = match_rms_norm(node) if _only_read_as_input(node) else None
+        if norm is not None and _private(norm[3], node):
+            h, g, eps, nodes = norm
+            for call in list(node.users):
+                args = _full_args(call)
+                args[_X], args[_NORM_WEIGHT], args[_EPS] = h, g, eps
+                call.args, call.kwargs = _still_safe(args), {}
+            _erase(gm, [node] + nodes)
+            fused += 1
+            continue
+        gate = match_gate(node) if _only_read_as_input(node) else None
+        if gate is not None and set(gate[2].users) == {node}:
+            a, b, silu = gate
+            for call in list(node.users):
+                args = _full_args(call)
+                args[_X], args[_UP] = a, b
+                call.args, call.kwargs = _still_safe(args), {}
+            _erase(gm, [node, silu])
+            fused += 1
+    for node in list(gm.graph.nodes):
+        fused += _fuse_residual(gm, node)
+    if fused:
+        gm.graph.lint()
+        gm.recompile()
+        log.debug("torch_ext: %d norms, gates and residual adds run inside torch_ext::decode_linear", fused)
+    return fused
+
+
+def _fuse_residual(gm: fx.GraphModule, add: fx.Node) -> int:
+    operands = _binary(add, "add") if add.op == "call_function" else None
+    out = _tensor(add)
+    if operands is None or out is None:
+        return 0
+    for call, residual in (operands, operands[::-1]):
+        if not _is_call(call) or _full_args(call)[_RESIDUAL] is not None or len(call.users) != 1 or residual is call:
+            continue
+        cv, rv = _tensor(call), _tensor(residual)
+        if cv is None or rv is None or not (cv.shape == rv.shape == out.shape and cv.dtype == rv.dtype == out.dtype):
+            continue
+        args = _full_args(call)
+        args[_RESIDUAL] = residual
+        with gm.graph.inserting_before(add):
+            new = gm.graph.call_function(_op(), tuple(args))
+        new.meta = dict(add.meta)
+        add.replace_all_uses_with(new)
+        gm.graph.erase_node(add)
+        gm.graph.erase_node(call)
+        return 1
+    return 0
