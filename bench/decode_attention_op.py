@@ -7,8 +7,8 @@ math, each cache byte read `groups` times), and SDPA over HF's repeat_kv.
 Shapes are batch x heads x kv heads x cache length, head dim 128, bf16, a bool mask over the cache.
 Microseconds per call (CUDA events over replays of a CUDA graph of 48 calls, cycling through copies of
 the cache that together pass any L2), and x floor: the cache bytes (k and v, read once) /
-device-to-device copy bandwidth. --sweep times every (tile, warps, stages) of each shape's kernel
-against the op's default (hops/decode_attention.py's _CONFIG).
+device-to-device copy bandwidth. --sweep times every (target programs, tile, warps, stages) of each
+shape's kernel against the op's default (hops/decode_attention.py's _TARGET_PROGRAMS and _CONFIG).
 """
 from __future__ import annotations
 
@@ -107,17 +107,20 @@ def sweep(shape, floor, q, caches, mask, op) -> None:
     default = module._CONFIG[kind]
     reference = module.decode_attention_reference(q, *caches[0], mask, q.shape[-1] ** -0.5).float()
     timed = []
-    try:
-        for config in itertools.product([32, 64, 128], [2, 4, 8], [1, 2, 3]):
+    target = module._TARGET_PROGRAMS
+    try:  # also the programs the cache is split over (fewer: fewer splits, one split = no combine kernel)
+        for programs, config in itertools.product(sorted({target, 16, 64, 132, 528}),
+                                                  itertools.product([32, 64, 128], [2, 4, 8], [1, 2, 3])):
+            module._TARGET_PROGRAMS = programs
             module._CONFIG[kind] = config
             err = (op(*caches[0])().float() - reference).abs().max().item()
-            timed.append((per_call_us([op(k, v) for k, v in caches], calls=24, replays=10), config, err))
+            timed.append((per_call_us([op(k, v) for k, v in caches], calls=24, replays=10), (programs, *config), err))
     finally:
-        module._CONFIG[kind] = default
+        module._CONFIG[kind], module._TARGET_PROGRAMS = default, target
     timed.sort()
-    now = next(t for t in timed if t[1] == default)
-    print(f"{shape} ({kind}): floor {floor:.1f} us; default {default}: {now[0]:.1f} us; best: "
-          + ", ".join(f"{us:.1f} {config} (err {err:.0e})" for us, config, err in timed[:4]))
+    now = next(t for t in timed if t[1] == (target, *default))
+    print(f"{shape} ({kind}): floor {floor:.1f} us; default (programs, tile, warps, stages) {(target, *default)}: "
+          f"{now[0]:.1f} us; best: " + ", ".join(f"{us:.1f} {config} (err {err:.0e})" for us, config, err in timed[:5]))
 
 
 if __name__ == "__main__":
