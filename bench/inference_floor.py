@@ -86,13 +86,15 @@ def make(name: str, model, root: str, serving: bool = False):
         return torch.compile(model.forward, mode="max-autotune", fullgraph=True, dynamic=dynamic)
     import torch_ext
 
-    config = torch_ext.CompileConfig(cudagraph_mode="full", guard_free_dispatch=not serving, progress_bar=False,
+    # ext-nocg*: no CUDA graphs, each kernel launched from the CPU (what fewer kernels save there).
+    config = torch_ext.CompileConfig(cudagraph_mode="none" if "nocg" in name else "full",
+                                     guard_free_dispatch=not serving, progress_bar=False,
                                      cache_dir=os.path.join(root, name, "torch_ext"),
                                      cudagraph_capture_sizes=CAPTURE if serving else (),
                                      merge_projections=name != "ext-plain",
                                      decode_attention=name != "ext-plain" and not NO_DECODE_ATTENTION,
                                      decode_linear=name not in ("ext-plain", "ext-cublas"),
-                                     decode_linear_fusion=name != "ext-nofuse",
+                                     decode_linear_fusion="nofuse" not in name,
                                      inductor_options={"ext-pdl": {"triton.enable_pdl": True},
                                                        "ext-nopdl": {"triton.enable_pdl": False},
                                                        "ext-combo": {"combo_kernels": True},
@@ -146,7 +148,7 @@ def kernel_breakdown(name: str, b: int, step, steps: int = 4, top: int = 40) -> 
 def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
     columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-nopdl", "ext-plain", "ext-pdl",
-                              "ext-combo", "ext-nocombo", "ext-nofuse"]
+                              "ext-combo", "ext-nocombo", "ext-nofuse", "ext-nocg", "ext-nocg-nofuse"]
                if c in args.columns]
     columns += ["autotune", "ext-autotune"] if args.autotune else []
     fns = {}
@@ -250,7 +252,7 @@ def main() -> int:
     parser.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention: 16 heads share these")
     parser.add_argument("--context", type=int, default=None, help="cache length (default 256)")
     parser.add_argument("--columns", default="eager,ro,ro-freeze,ext,ext-plain",
-                        help="any of eager,ro,ro-freeze,ext,ext-cublas,ext-nopdl,ext-plain,ext-pdl,ext-combo,ext-nocombo,ext-nofuse; ro is always run (x ro); --autotune adds "
+                        help="any of eager,ro,ro-freeze,ext,ext-cublas,ext-nopdl,ext-plain,ext-pdl,ext-combo,ext-nocombo,ext-nofuse,ext-nocg,ext-nocg-nofuse; ro is always run (x ro); --autotune adds "
                              "autotune and ext-autotune")
     parser.add_argument("--decode-linear-rows", type=int, default=None,
                         help="let torch_ext's decode_linear take up to this many rows (default: its MAX_ROWS)")
