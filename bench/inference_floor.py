@@ -27,6 +27,14 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
               may start while the one before it drains; Hopper+), where this torch has the option
               (ext turns it on by itself in pieces that run decode_linear)
   ext-nopdl   ext with triton.enable_pdl=False: decode_linear without Inductor's dependent launch
+  ext-combo   ext with Inductor's combo_kernels on (ext turns them on in decode pieces, torch 2.11+)
+  ext-nocombo ext with combo_kernels off
+  ext-nofuse  ext with decode_linear_fusion=False (norms, gates and residual adds as Inductor's kernels)
+  ext-nocg    ext with cudagraph_mode="none": every kernel launched from the CPU, the decode ops off
+              (their default without CUDA graphs); ext-nocg-nofuse likewise
+  ext-nocg-forced  ext-nocg with decode_attention=True, decode_linear=True (what the default avoids);
+              ext-nocg-forced-nofuse the same without the fusion
+  inductor    torch.compile(model.forward) with Inductor's defaults (no CUDA graphs)
   ext-autotune ext with Inductor's max_autotune (GEMM templates that take pointwise neighbours), batch 1
                only (--autotune: minutes of compile)
 
@@ -82,6 +90,8 @@ def make(name: str, model, root: str, serving: bool = False):
         # compares unequal to ro's: with mode= and a patched config, Dynamo reused ro's compiled code.
         return torch.compile(model.forward, options={"triton.cudagraphs": True, "freezing": True}, fullgraph=True,
                              dynamic=dynamic)
+    if name == "inductor":
+        return torch.compile(model.forward, fullgraph=True, dynamic=dynamic)
     if name == "autotune":
         return torch.compile(model.forward, mode="max-autotune", fullgraph=True, dynamic=dynamic)
     import torch_ext
@@ -92,8 +102,10 @@ def make(name: str, model, root: str, serving: bool = False):
                                      cache_dir=os.path.join(root, name, "torch_ext"),
                                      cudagraph_capture_sizes=CAPTURE if serving else (),
                                      merge_projections=name != "ext-plain",
-                                     decode_attention=name != "ext-plain" and not NO_DECODE_ATTENTION,
-                                     decode_linear=name not in ("ext-plain", "ext-cublas"),
+                                     decode_attention=False if name == "ext-plain" or NO_DECODE_ATTENTION
+                                     else (True if "forced" in name else None),
+                                     decode_linear=False if name in ("ext-plain", "ext-cublas")
+                                     else (True if "forced" in name else None),
                                      decode_linear_fusion="nofuse" not in name,
                                      inductor_options={"ext-pdl": {"triton.enable_pdl": True},
                                                        "ext-nopdl": {"triton.enable_pdl": False},
@@ -148,7 +160,8 @@ def kernel_breakdown(name: str, b: int, step, steps: int = 4, top: int = 40) -> 
 def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
     columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-nopdl", "ext-plain", "ext-pdl",
-                              "ext-combo", "ext-nocombo", "ext-nofuse", "ext-nocg", "ext-nocg-nofuse"]
+                              "ext-combo", "ext-nocombo", "ext-nofuse", "ext-nocg", "ext-nocg-nofuse",
+                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "inductor"]
                if c in args.columns]
     columns += ["autotune", "ext-autotune"] if args.autotune else []
     fns = {}

@@ -128,8 +128,10 @@ def hop_calls(gm: torch.fx.GraphModule) -> list[str]:
 
 # --- decode on a GPU against eager ----------------------------------------------------------------
 
-def cuda_decode_matches_eager(mode: str, batch: int, steps: int = 5, update_weights_at: int | None = None):
-    """A tiny Llama on CUDA and torch_ext.compile of it (cudagraph_mode=mode, guard-free dispatch):
+def cuda_decode_matches_eager(mode: str, batch: int, steps: int = 5, update_weights_at: int | None = None,
+                              **config_fields):
+    """A tiny Llama on CUDA and torch_ext.compile of it (cudagraph_mode=mode, guard-free dispatch,
+    config_fields):
     prefill eagerly into two StaticCaches, then decode `steps` tokens each way; logits must agree at
     every step. At step `update_weights_at` every weight is scaled in place first (an optimizer-style
     update the compiled model must read). Returns the model."""
@@ -141,7 +143,7 @@ def cuda_decode_matches_eager(mode: str, batch: int, steps: int = 5, update_weig
     torch._dynamo.reset()
     model = build("llama").cuda().eval()
     compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True, cudagraph_mode=mode,
-                                                      progress_bar=False), dynamic=False)
+                                                      progress_bar=False, **config_fields), dynamic=False)
     ids = token_ids(batch, 6).cuda()
     caches = [transformers.StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
     with torch.no_grad():

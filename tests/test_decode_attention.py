@@ -20,6 +20,8 @@ from test_hf_decode import SDPA, decode_matches_eager, fx_pieces  # noqa: F401  
 from triton_interpreter import run_in_interpreter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The rewrite runs by default only where CUDA graphs replay its launches; these CPU tests ask for it.
+ON = {"decode_attention": True, "cache_dir": None}
 
 KERNEL_CHECK = r'''
 import sys, torch
@@ -62,7 +64,7 @@ def test_triton_kernels_equal_a_float64_reference_in_the_interpreter():
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 def test_hf_decode_steps_use_it_and_match_eager(fx_pieces, arch):  # noqa: F811
     model = hf.build(arch).eval()
-    compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True), dynamic=False)
+    compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True, decode_attention=True), dynamic=False)
     decode_matches_eager(model, compiled)
     layers = model.config.num_hidden_layers
     assert counters.decode_attention_calls == layers  # the decode graph's SDPA calls; the prefill is eager
@@ -97,7 +99,7 @@ def test_repeated_kv_is_passed_unrepeated_only_where_heads_repeat_in_a_row(how, 
     mask = torch.rand(2, 1, 1, 10) > 0.3
     model = RepeatedKV(how)
     with torch.no_grad():
-        out = capture_graphs(model, q, k, v, mask, backend_config=CompileConfig(cache_dir=None))
+        out = capture_graphs(model, q, k, v, mask, backend_config=CompileConfig(cache_dir=None, decode_attention=True))
         expected = model(q, k, v, mask)
     torch.testing.assert_close(out.outputs, expected)
     (call,) = [n for gm in out.pieces[0].values() for n in gm.graph.nodes
@@ -116,7 +118,7 @@ def test_batch_of_one_broadcast_by_sdpa(q_batch, kv_batch, replaced):
     q, k, v = torch.randn(q_batch, 4, 1, 16), torch.randn(kv_batch, 2, 10, 16), torch.randn(kv_batch, 2, 10, 16)
     counters.reset()
     with torch.no_grad():
-        expected, actual = attend(q, k, v), torch.compile(attend, backend="torch_ext", dynamic=False)(q, k, v)
+        expected, actual = attend(q, k, v), torch.compile(attend, backend="torch_ext", dynamic=False, options=ON)(q, k, v)
     assert counters.decode_attention_calls == int(replaced)
     torch.testing.assert_close(actual, expected)
 
@@ -133,7 +135,7 @@ def test_tensor_subclass_inputs_keep_sdpa():
     k, v = TwoTensor(k, k * 2), TwoTensor(v, v + 1)
     counters.reset()
     with torch.no_grad():
-        expected, actual = attend(q, k, v), torch.compile(attend, backend="torch_ext")(q, k, v)
+        expected, actual = attend(q, k, v), torch.compile(attend, backend="torch_ext", options=ON)(q, k, v)
     assert counters.decode_attention_calls == 0 and type(actual) is TwoTensor
     torch.testing.assert_close(actual.a, expected.a)
     torch.testing.assert_close(actual.b, expected.b)
@@ -147,9 +149,32 @@ def test_sdpa_under_autocast_is_left_alone():
 
     q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 4, 10, 16), torch.randn(2, 4, 10, 16)
     with torch.no_grad():
-        expected, actual = attend(q, k, v), torch.compile(attend, backend="torch_ext")(q, k, v)
+        expected, actual = attend(q, k, v), torch.compile(attend, backend="torch_ext", options=ON)(q, k, v)
     assert counters.decode_attention_calls == 0 and actual.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(actual, expected)
+
+
+def test_on_by_default_only_where_cuda_graphs_replay_the_launches():
+    """Without graphs a decode step would wait on the op's Python launch (bench/inference_floor.py,
+    ext-nocg-forced): the default (None) leaves SDPA; True runs the op, also without graphs."""
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 4, 10, 16), torch.randn(2, 4, 10, 16)
+    for options, calls in ((None, 0), ({"cache_dir": None}, 0), (ON, 1)):
+        torch._dynamo.reset()
+        counters.reset()
+        with torch.no_grad():
+            torch.testing.assert_close(torch.compile(attend, backend="torch_ext", options=options)(q, k, v),
+                                       attend(q, k, v))
+        assert counters.decode_attention_calls == calls, options
+    assert not CompileConfig().uses("decode_attention") and not CompileConfig().uses("decode_linear")
+    full = CompileConfig(cudagraph_mode="full")
+    assert full.uses("decode_attention") and full.uses("decode_linear")
+    assert not CompileConfig(cudagraph_mode="full", decode_linear=False).uses("decode_linear")
+    assert CompileConfig(decode_linear=True).artifact_hash() != CompileConfig().artifact_hash()
+    with pytest.raises(ValueError, match="decode_attention.*True, False or None"):
+        CompileConfig(decode_attention="yes")
 
 
 def test_off_switch_prefill_training_and_splitting_ops_keep_sdpa(fx_pieces):  # noqa: F811
@@ -161,7 +186,7 @@ def test_off_switch_prefill_training_and_splitting_ops_keep_sdpa(fx_pieces):  # 
         decode_matches_eager(model, torch_ext.compile(model, config, dynamic=False))
         assert counters.decode_attention_calls == 0
     torch._dynamo.reset()
-    compiled = torch_ext.compile(model, CompileConfig(cache_dir=None))
+    compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, decode_attention=True))
     ids = hf.token_ids(2, 6)
     with torch.no_grad():  # a prefill: more than one query token
         torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits)

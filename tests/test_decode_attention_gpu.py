@@ -34,9 +34,13 @@ def test_kernels_equal_a_float64_reference(dtype, tol, b, h, hkv, length, d, mas
     assert err < tol, err
 
 
-@pytest.mark.parametrize("mode", ["none", "full"])
-def test_hf_llama_decode_with_the_kernel_matches_eager(mode):
+@pytest.mark.parametrize("mode,forced", [("none", True), ("none", None), ("full", None)])
+def test_hf_llama_decode_with_the_kernel_matches_eager(mode, forced):
+    """Without CUDA graphs the op runs only when asked for (decode_attention=True)."""
     counters.reset()
-    model = hf.cuda_decode_matches_eager(mode, batch=2)
+    model = hf.cuda_decode_matches_eager(mode, batch=2, decode_attention=forced)
+    if mode == "none" and forced is None:
+        assert counters.decode_attention_calls == 0
+        return
     # Every decode graph's SDPA calls (the first token, a slice of the prompt, may get a graph of its own).
     assert counters.decode_attention_calls == model.config.num_hidden_layers * counters.graphs_seen

@@ -88,10 +88,14 @@ def test_a_chain_with_dependent_launch_in_a_cuda_graph_reads_each_input_complete
         assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-2
 
 
-@pytest.mark.parametrize("mode", ["none", "full"])
-def test_hf_llama_decode_with_the_kernel_matches_eager_and_follows_weight_updates(mode):
+@pytest.mark.parametrize("mode,forced", [("none", True), ("none", None), ("full", None)])
+def test_hf_llama_decode_with_the_kernel_matches_eager_and_follows_weight_updates(mode, forced):
+    """Without CUDA graphs the op runs only when asked for (decode_linear=True)."""
     counters.reset()
     # One row: the projections the op takes; every weight scaled in place before step 3.
-    model = hf.cuda_decode_matches_eager(mode, batch=1, update_weights_at=3)
+    model = hf.cuda_decode_matches_eager(mode, batch=1, update_weights_at=3, decode_linear=forced)
+    if mode == "none" and forced is None:
+        assert counters.decode_linear_calls == 0
+        return
     # Every projection of every decode graph: merged q/k/v and gate/up, o, down, and lm_head.
     assert counters.decode_linear_calls == (4 * model.config.num_hidden_layers + 1) * counters.graphs_seen

@@ -148,10 +148,10 @@ class TorchExtBackend:
             merged = merge_projections(gm)
             if merged is not None:
                 gm, plan = merged
-        if self.config.decode_attention:
+        if self.config.uses("decode_attention"):
             # In place (no placeholder changes): Dynamo reads only the placeholders after we return.
             counters.decode_attention_calls += use_decode_attention(gm, lambda n: self.matcher.match(n) is not None)
-        if self.config.decode_linear:  # after the merge: merged projections are linears of their own
+        if self.config.uses("decode_linear"):  # after the merge: merged projections are linears of their own
             counters.decode_linear_calls += use_decode_linear(gm)
             if self.config.decode_linear_fusion:
                 counters.decode_linear_fusions += fuse_into_decode_linear(gm)

@@ -181,12 +181,15 @@ class CompileConfig:
     merge_projections: bool = True
     # Inference graphs: SDPA of one query token per sequence (decode) runs torch_ext's split-KV kernel
     # (hops/decode_attention.py) instead of a prefill kernel (rewrite/decode_attention.py).
-    decode_attention: bool = True
+    # None (the default): where CUDA graphs replay the launches (cudagraph_mode other than "none"). Our
+    # ops launch their Triton kernels from Python, ~0.1 ms of CPU a call: without graphs a decode step
+    # waits on them (H100, HF Llama batch 1: 12.8 ms a step against 0.9 ms captured).
+    decode_attention: bool | None = None
     # Inference graphs on CUDA: linear calls of one row (a batch-1 decode step's projections) run
     # torch_ext's GEMV kernel (hops/decode_linear.py; rewrite/decode_linear.py) instead of cuBLAS, with
     # Inductor's dependent launch (Hopper+) and combo kernels in the pieces that call it or decode
-    # attention (compile/decode_options.py).
-    decode_linear: bool = True
+    # attention (compile/decode_options.py). None: as decode_attention's.
+    decode_linear: bool | None = None
     # Those calls also run the RMSNorm before them, silu(gate) * up before them and the residual add
     # after them, where the graph has HF's forms (rewrite/decode_linear_fusion.py): fewer kernels.
     decode_linear_fusion: bool = True
@@ -263,9 +266,13 @@ class CompileConfig:
         set_("debug_dump_dir", os.path.abspath(os.path.expanduser(dump)) if dump else None)
 
         for flag in ("dedup", "cudagraph_check_addresses", "guard_free_dispatch", "unfuse_output_addmm",
-                     "merge_projections", "decode_attention", "decode_linear", "decode_linear_fusion"):
+                     "merge_projections", "decode_linear_fusion"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(flag, f"expected True or False, got {getattr(self, flag)!r}", f"Write {flag}=True")
+        for flag in ("decode_attention", "decode_linear"):
+            if getattr(self, flag) is not None and not isinstance(getattr(self, flag), bool):
+                _fail(flag, f"expected True, False or None, got {getattr(self, flag)!r}",
+                      "None runs it where CUDA graphs replay its launches")
         if self.warm_start is not None and not isinstance(self.warm_start, bool):
             _fail("warm_start", f"expected True, False or None, got {self.warm_start!r}",
                   "None turns it on where a cache_dir is set")
@@ -318,6 +325,12 @@ class CompileConfig:
         bounds = (1,) + points if points[0] > 1 else points
         return tuple(zip(bounds, bounds[1:])) + ((bounds[-1], None),)
 
+    def uses(self, decode_op: str) -> bool:
+        """Whether the decode_attention or decode_linear rewrite runs: as set, or (None) where CUDA
+        graphs replay its launches."""
+        wanted = getattr(self, decode_op)
+        return self.cudagraph_mode != "none" if wanted is None else wanted
+
     def artifact_hash(self) -> str:
         """Hash of the fields that change compiled code (not where files go or how often we dedup)."""
         factors = {
@@ -326,8 +339,8 @@ class CompileConfig:
             "inductor_options": {str(k): repr(v) for k, v in sorted(self.inductor_options.items())},
             "hop_split": self.hop_split,
             "merge_projections": self.merge_projections,
-            "decode_attention": self.decode_attention,
-            "decode_linear": self.decode_linear,
+            "decode_attention": self.uses("decode_attention"),
+            "decode_linear": self.uses("decode_linear"),
             "decode_linear_fusion": self.decode_linear_fusion,
             # Pass identity also goes into every artifact key through PassManager.uuid().
             "post_grad_passes": [_qualified_name(p) for p in self.post_grad_passes],
