@@ -125,3 +125,54 @@ def test_torch_rms_norm_is_left_to_inductor(monkeypatch):
     gm, fused, out, expected = _rewritten(lambda x: lin(norm(x.tanh())), torch.randn(1, DIM, dtype=torch.float32))
     assert fused == 0
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def _norm_then_write(norm, lin):
+    def forward(x):
+        h = x.tanh()
+        y = norm(h)
+        h.mul_(2)  # written after the norm read it: a fused call would read the new h
+        return lin(y) + h
+
+    return forward
+
+
+def _gate_then_write(lin):
+    def forward(a, b):
+        a, b = a.tanh(), b.tanh()
+        g = torch.nn.functional.silu(a) * b
+        b.add_(1)
+        return lin(g) + b
+
+    return forward
+
+
+def _call_then_write(lin):
+    def forward(x, r):
+        x = x.tanh()
+        y = lin(x)
+        x.mul_(3)  # a residual fusion moves the call to the add, after this write
+        return (y + r) * x
+
+    return forward
+
+
+@pytest.mark.parametrize("form", ["norm", "gate", "residual"])
+def test_nothing_is_fused_across_an_in_place_write(monkeypatch, form):
+    """Fusing moves a read: the norm's and the gate's inputs are read by the call, the call runs where
+    the residual add was. A write between the two places would change what is read: not fused."""
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    norm, lin = RMSNorm(DIM), torch.nn.Linear(DIM, DIM, bias=False)
+    x, r = torch.randn(1, DIM), torch.randn(1, DIM)
+    model, inputs = {"norm": (_norm_then_write(norm, lin), (x,)), "gate": (_gate_then_write(lin), (x, r)),
+                     "residual": (_call_then_write(lin), (x, r))}[form]
+    gm, inputs = _graph(model, *inputs)
+    with torch.no_grad():
+        expected = gm(*[t.clone() for t in inputs])
+    rewrite.use_decode_linear(gm)
+    assert len(_calls(gm)) == 1
+    fuse_into_decode_linear(gm)
+    (call,) = _calls(gm)
+    assert {"norm": "norm", "gate": "up", "residual": "residual"}[form] not in _fused_parts(call)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*[t.clone() for t in inputs]), expected, rtol=0, atol=0)

@@ -14,7 +14,9 @@ Here, where the graph has exactly these forms (hops/decode_linear.py computes th
   - gate: a call whose input is silu(a) * b, used by decode_linear calls alone, takes a and up=b;
   - residual: an add of a call's output (used by that add alone) and a tensor of the output's shape
     and dtype becomes the call with residual= (no broadcasting add).
-The nodes of a norm or gate left without users are erased. Anything else is left as it was.
+The nodes of a norm or gate left without users are erased. Fusing moves reads (the call reads the
+norm's or gate's inputs; a fused call runs where the add was): nothing that may write a tensor may lie
+between the two places. Anything else is left as it was.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch.fx as fx
 
 from torch_ext.backend.rewrite.decode_attention import example_value
 from torch_ext.backend.rewrite.decode_linear import computed_in_graph, op_name
+from torch_ext.backend.rewrite.merge_projections import is_barrier
 
 log = logging.getLogger("torch_ext.backend")
 
@@ -177,6 +180,20 @@ def _private(nodes: list, owner: fx.Node) -> bool:
     return all(set(n.users) <= inside for n in nodes)
 
 
+def _writes_between(first: fx.Node, last: fx.Node) -> bool:
+    """A node after first and before last (graph order; first precedes last) may write a tensor."""
+    node = first.next
+    while node is not last:
+        if node.op == "root" or is_barrier(node):
+            return True
+        node = node.next
+    return False
+
+
+def _first(nodes: list, order: dict) -> fx.Node:
+    return min(nodes, key=order.__getitem__)
+
+
 def _still_safe(args: list) -> tuple:
     """The call's arguments with prefetch kept only where a kernel of the graph still runs before it:
     the norm or gate kernel that made its input is gone (rewrite/decode_linear.py: why that matters)."""
@@ -194,11 +211,13 @@ def _erase(gm: fx.GraphModule, nodes: list) -> None:
 def fuse_into_decode_linear(gm: fx.GraphModule) -> int:
     """Fold norms, gates and residual adds into gm's decode_linear calls (in place); returns how many."""
     fused = 0
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}  # erasing keeps the others' order
     for node in list(gm.graph.nodes):
         if node.op not in ("call_function", "call_method"):
             continue
         norm = match_rms_norm(node) if _only_read_as_input(node) else None
-        if norm is not None and _private(norm[3], node):
+        if (norm is not None and _private(norm[3], node)
+                and not any(_writes_between(_first(norm[3], order), call) for call in node.users)):
             h, g, eps, nodes = norm
             for call in list(node.users):
                 args = _full_args(call)
@@ -208,7 +227,8 @@ def fuse_into_decode_linear(gm: fx.GraphModule) -> int:
             fused += 1
             continue
         gate = match_gate(node) if _only_read_as_input(node) else None
-        if gate is not None and set(gate[2].users) == {node}:
+        if (gate is not None and set(gate[2].users) == {node}
+                and not any(_writes_between(_first([gate[2], node], order), call) for call in node.users)):
             a, b, silu = gate
             for call in list(node.users):
                 args = _full_args(call)
@@ -235,6 +255,8 @@ def _fuse_residual(gm: fx.GraphModule, add: fx.Node) -> int:
             continue
         cv, rv = _tensor(call), _tensor(residual)
         if cv is None or rv is None or not (cv.shape == rv.shape == out.shape and cv.dtype == rv.dtype == out.dtype):
+            continue
+        if _writes_between(call, add):  # the fused call runs at the add
             continue
         args = _full_args(call)
         args[_RESIDUAL] = residual

@@ -109,7 +109,7 @@ _IN_PLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.
 _IN_PLACE_DUNDERS = {f"__{op.__name__.strip('_')}__" for op in _IN_PLACE_OPERATORS}  # __setitem__, __iadd__, ...
 
 
-def _is_barrier(node: fx.Node) -> bool:
+def is_barrier(node: fx.Node) -> bool:
     """A node that may mutate a tensor or change global state (autocast, grad mode): no group spans it."""
     if node.op == "call_module":
         return True
@@ -172,7 +172,7 @@ def find_groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
     by_key: dict[tuple, list[fx.Node]] = defaultdict(list)
     segment = 0  # barriers seen so far: linears of one group lie between the same two barriers
     for node in gm.graph.nodes:
-        if _is_barrier(node):
+        if is_barrier(node):
             segment += 1
             continue
         found = _candidate(node)
