@@ -107,6 +107,24 @@ def test_repeated_kv_is_passed_unrepeated_only_where_heads_repeat_in_a_row(how, 
     assert [a.meta.get("example_value", a.meta.get("val")).shape[1] for a in call.args[1:3]] == [kv_heads, kv_heads]
 
 
+def test_a_cache_written_after_its_repeat_is_read_repeated():
+    """The repeat copied the cache before the write; the op would read the cache after it: the call keeps
+    the repeated copy (and still runs the op)."""
+    def attend(q, k, v):
+        kr = k[:, :, None].expand(2, 2, 2, 10, 16).reshape(2, 4, 10, 16)
+        vr = v[:, :, None].expand(2, 2, 2, 10, 16).reshape(2, 4, 10, 16)
+        k.mul_(2)  # e.g. the next step's slot written early
+        return torch.nn.functional.scaled_dot_product_attention(q, kr, vr) + k.sum()
+
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 10, 16), torch.randn(2, 2, 10, 16)
+    counters.reset()
+    with torch.no_grad():
+        expected = attend(q, k.clone(), v)
+        actual = torch.compile(attend, backend="torch_ext", dynamic=False, options=ON)(q, k.clone(), v)
+    assert counters.decode_attention_calls == 1
+    torch.testing.assert_close(actual, expected)
+
+
 @pytest.mark.parametrize("q_batch,kv_batch,replaced", [(3, 1, True), (1, 3, False), (3, 3, True)])
 def test_batch_of_one_broadcast_by_sdpa(q_batch, kv_batch, replaced):
     """SDPA broadcasts a batch of one: a cache shared by every sequence is read once per sequence

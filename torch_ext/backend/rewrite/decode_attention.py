@@ -12,7 +12,8 @@ the user made splitting ops are left as they are. Inference graphs only (the op 
 K and v repeated along heads for grouped-query attention, as HF's `repeat_kv` does whenever a mask is
 given (`x[:, :, None].expand(B, Hkv, n, L, D).reshape(B, Hkv * n, L, D)`) or as
 `repeat_interleave(x, n, dim=1)`, are passed unrepeated: the op maps query head h to kv head h // n
-itself, and the copy of the whole cache (n times over, every layer, every step) is left dead.
+itself, and the copy of the whole cache (n times over, every layer, every step) is left dead; not
+where a node between the repeat and the call may write a tensor (the copy holds the values before it).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import torch_ext.hops.decode_attention  # noqa: F401  (registers the op: also where a saved graph calling it loads)
+from torch_ext.backend.rewrite.writes import writes_between
 
 log = logging.getLogger("torch_ext.backend")
 
@@ -112,7 +114,10 @@ def decode_call(node: fx.Node) -> dict | None:
     if a is None:
         return None
     k_src, v_src = unrepeated(a["key"]), unrepeated(a["value"])
-    if k_src is not None and v_src is not None and _same_shape(example_value(k_src).shape[1:2], example_value(v_src).shape[1:2]):
+    # The op reads k_src at the call: a write after the repeat copied it would change what it reads.
+    copied_as_read = k_src is not None and v_src is not None and not any(
+        writes_between(r, node) for r in (a["key"], a["value"]))
+    if copied_as_read and _same_shape(example_value(k_src).shape[1:2], example_value(v_src).shape[1:2]):
         a = dict(a, key=k_src, value=v_src, enable_gqa=True)  # the op repeats heads by itself
     q, k, v, out = (example_value(a["query"]), example_value(a["key"]), example_value(a["value"]), example_value(node))
     mask = a["attn_mask"]

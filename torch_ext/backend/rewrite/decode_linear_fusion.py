@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from torch_ext.backend.rewrite.decode_attention import example_value
 from torch_ext.backend.rewrite.decode_linear import computed_in_graph, op_name
-from torch_ext.backend.rewrite.merge_projections import is_barrier
+from torch_ext.backend.rewrite.writes import writes_between
 
 log = logging.getLogger("torch_ext.backend")
 
@@ -180,16 +180,6 @@ def _private(nodes: list, owner: fx.Node) -> bool:
     return all(set(n.users) <= inside for n in nodes)
 
 
-def _writes_between(first: fx.Node, last: fx.Node) -> bool:
-    """A node after first and before last (graph order; first precedes last) may write a tensor."""
-    node = first.next
-    while node is not last:
-        if node.op == "root" or is_barrier(node):
-            return True
-        node = node.next
-    return False
-
-
 def _first(nodes: list, order: dict) -> fx.Node:
     return min(nodes, key=order.__getitem__)
 
@@ -217,7 +207,7 @@ def fuse_into_decode_linear(gm: fx.GraphModule) -> int:
             continue
         norm = match_rms_norm(node) if _only_read_as_input(node) else None
         if (norm is not None and _private(norm[3], node)
-                and not any(_writes_between(_first(norm[3], order), call) for call in node.users)):
+                and not any(writes_between(_first(norm[3], order), call) for call in node.users)):
             h, g, eps, nodes = norm
             for call in list(node.users):
                 args = _full_args(call)
@@ -228,7 +218,7 @@ def fuse_into_decode_linear(gm: fx.GraphModule) -> int:
             continue
         gate = match_gate(node) if _only_read_as_input(node) else None
         if (gate is not None and set(gate[2].users) == {node}
-                and not any(_writes_between(_first([gate[2], node], order), call) for call in node.users)):
+                and not any(writes_between(_first([gate[2], node], order), call) for call in node.users)):
             a, b, silu = gate
             for call in list(node.users):
                 args = _full_args(call)
@@ -256,7 +246,7 @@ def _fuse_residual(gm: fx.GraphModule, add: fx.Node) -> int:
         cv, rv = _tensor(call), _tensor(residual)
         if cv is None or rv is None or not (cv.shape == rv.shape == out.shape and cv.dtype == rv.dtype == out.dtype):
             continue
-        if _writes_between(call, add):  # the fused call runs at the add
+        if writes_between(call, add):  # the fused call runs at the add
             continue
         args = _full_args(call)
         args[_RESIDUAL] = residual

@@ -36,6 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torch_ext import compat
+from torch_ext.backend.rewrite.writes import is_barrier
 
 log = logging.getLogger("torch_ext.backend")
 
@@ -99,41 +100,6 @@ def _is_param(node, users_ok) -> bool:
     if not isinstance(value, torch.Tensor) or is_traceable_wrapper_subclass(value) or not value.is_contiguous():
         return False
     return len(node.users) == 1 and users_ok(next(iter(node.users)))
-
-
-_STATE_MODULES = ("torch.amp", "torch.autograd.grad_mode", "torch.autocast", "torch._C._autograd")
-_IN_PLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                       operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand,
-                       operator.ior, operator.ixor, operator.ilshift, operator.irshift)
-
-_IN_PLACE_DUNDERS = {f"__{op.__name__.strip('_')}__" for op in _IN_PLACE_OPERATORS}  # __setitem__, __iadd__, ...
-
-
-def is_barrier(node: fx.Node) -> bool:
-    """A node that may mutate a tensor or change global state (autocast, grad mode): no group spans it."""
-    if node.op == "call_module":
-        return True
-    if node.op == "call_method":
-        return _mutates_by_name(node.target)
-    if node.op != "call_function":
-        return False
-    target = node.target
-    if isinstance(target, torch._ops.HigherOrderOperator):  # a body may do anything
-        return True
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.is_mutable
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return any(getattr(target, o)._schema.is_mutable for o in target.overloads())
-    if node.kwargs.get("inplace") is True or "out" in node.kwargs or any(target is t for t in _IN_PLACE_OPERATORS):
-        return True
-    name = getattr(target, "__name__", "")
-    module = getattr(target, "__module__", None) or ""
-    return _mutates_by_name(name) or name.startswith(("_set_", "_enter_", "_exit_")) or module.startswith(_STATE_MODULES)
-
-
-def _mutates_by_name(name: str) -> bool:
-    """Tensor.add_, torch.relu_, Tensor.__iadd__, Tensor.__setitem__: torch's in-place naming."""
-    return name.endswith("_") and not name.endswith("__") or name in _IN_PLACE_DUNDERS
 
 
 def _candidate(node: fx.Node):
