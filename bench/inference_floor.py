@@ -35,6 +35,8 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
   ext-nocg-forced  ext-nocg with decode_attention=True, decode_linear=True (what the default avoids);
               ext-nocg-forced-nofuse the same without the fusion
   inductor    torch.compile(model.forward) with Inductor's defaults (no CUDA graphs)
+  ext-rows8   ext with decode_linear taking up to 8 rows (its tensor-core path; the default takes one);
+              ext-rows8-n16 the same with 16 output features a program (twice the programs)
   ext-autotune ext with Inductor's max_autotune (GEMM templates that take pointwise neighbours), batch 1
                only (--autotune: minutes of compile)
 
@@ -47,6 +49,7 @@ batch 1 and 32, for ro and ext (cudagraph_mode="full").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -115,6 +118,27 @@ def make(name: str, model, root: str, serving: bool = False):
     return torch_ext.compile(model, config, dynamic=dynamic)
 
 
+@contextlib.contextmanager
+def rows_experiment(name: str):
+    """ext-rows8: decode_linear takes up to 8 rows (its tensor-core "dot" path) while the column compiles
+    and captures its graphs; ext-rows8-n16: with 16 features a program (twice the programs). Full CUDA
+    graphs keep the launches they captured."""
+    if not name.startswith("ext-rows8"):
+        yield
+        return
+    import torch_ext.hops.decode_linear as op
+
+    rows, config = op.MAX_ROWS, op.config
+    op.MAX_ROWS = 8
+    if name == "ext-rows8-n16":
+        op.config = lambda *a, **k: (dict(config(*a, **k), BLOCK_N=16) if config(*a, **k)["PATH"] == "dot"
+                                     else config(*a, **k))
+    try:
+        yield
+    finally:
+        op.MAX_ROWS, op.config = rows, config
+
+
 def device_kernels(step, steps: int) -> list | None:
     """The CUDA kernels (inside graphs too) of `steps` calls of step, from torch.profiler; None on the CPU."""
     from torch.autograd import DeviceType
@@ -161,7 +185,7 @@ def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
     columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-nopdl", "ext-plain", "ext-pdl",
                               "ext-combo", "ext-nocombo", "ext-nofuse", "ext-nocg", "ext-nocg-nofuse",
-                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "inductor"]
+                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "inductor", "ext-rows8", "ext-rows8-n16"]
                if c in args.columns]
     columns += ["autotune", "ext-autotune"] if args.autotune else []
     fns = {}
@@ -172,11 +196,13 @@ def step_table(args, setup, bandwidth: float) -> None:
             print(f"column {name} skipped: {e}")
             continue
         batches = [1] if name in BATCH_1_ONLY else args.batches
-        for b in sorted(batches, reverse=True):
-            setup.reset(b)
-            with torch.no_grad():
-                setup.step(fns[name], b)
-            setup.reset(b)
+        with rows_experiment(name):
+            for b in sorted(batches, reverse=True):
+                for _ in range(3 if name.startswith("ext-rows8") else 1):  # captured inside the experiment
+                    setup.reset(b)
+                    with torch.no_grad():
+                        setup.step(fns[name], b)
+                setup.reset(b)
     error_batch = min(args.batches)  # the logits check runs at the smallest batch timed
     errors = H.logits_errors(setup, {n: f for n, f in fns.items() if n != "eager"}, [error_batch])
     times = {}
@@ -265,7 +291,7 @@ def main() -> int:
     parser.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention: 16 heads share these")
     parser.add_argument("--context", type=int, default=None, help="cache length (default 256)")
     parser.add_argument("--columns", default="eager,ro,ro-freeze,ext,ext-plain",
-                        help="any of eager,ro,ro-freeze,ext,ext-cublas,ext-nopdl,ext-plain,ext-pdl,ext-combo,ext-nocombo,ext-nofuse,ext-nocg,ext-nocg-nofuse; ro is always run (x ro); --autotune adds "
+                        help="any of eager,ro,ro-freeze,ext,ext-cublas,ext-nopdl,ext-plain,ext-pdl,ext-combo,ext-nocombo,ext-nofuse,ext-nocg,ext-nocg-nofuse,ext-rows8,ext-rows8-n16; ro is always run (x ro); --autotune adds "
                              "autotune and ext-autotune")
     parser.add_argument("--decode-linear-rows", type=int, default=None,
                         help="let torch_ext's decode_linear take up to this many rows (default: its MAX_ROWS)")

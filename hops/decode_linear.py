@@ -32,12 +32,13 @@ import torch
 
 from torch_ext.hops.fused_add_rms_norm import has_triton
 
-__all__ = ["MAX_ROWS", "decode_linear", "decode_linear_reference", "decode_linear_triton", "kernel_takes",
+__all__ = ["KERNEL_MAX_ROWS", "MAX_ROWS", "decode_linear", "decode_linear_reference", "decode_linear_triton", "kernel_takes",
            "prologue_reference"]
 
 # Rows (batch x tokens) the kernel serves; more run F.linear. H100, a chain of Llama projections
 # (bench/decode_linear_op.py): one row 0.83x cuBLAS's time, two 1.02x, four 1.30x, eight 1.35x.
 MAX_ROWS = 1
+KERNEL_MAX_ROWS = 16  # what the kernel serves (its "dot" path pads rows to 16); MAX_ROWS is the rewrite's choice
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -81,7 +82,8 @@ def prologue_reference(x, norm_weight=None, eps: float = 0.0, up=None):
 
 
 def kernel_takes(x, weight, bias, norm_weight=None, up=None, residual=None) -> bool:
-    """Shapes and layouts the kernel serves (the op falls back to the reference on the rest)."""
+    """Shapes and layouts the kernel serves (the op falls back to the reference on the rest): the norm
+    and gate prologues on one row only."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     n = weight.shape[0] if weight.dim() == 2 else -1
@@ -89,7 +91,8 @@ def kernel_takes(x, weight, bias, norm_weight=None, up=None, residual=None) -> b
     def plain(t, shape) -> bool:  # an optional operand: x's dtype, the given shape, contiguous
         return t is None or (t.dtype == x.dtype and t.shape == shape and t.is_contiguous())
 
-    return (0 < rows <= MAX_ROWS and weight.dim() == 2 and weight.shape[1] == k and k % 64 == 0
+    return (0 < rows <= KERNEL_MAX_ROWS and (rows == 1 or norm_weight is None and up is None)
+            and weight.dim() == 2 and weight.shape[1] == k and k % 64 == 0
             and weight.is_contiguous() and x.dtype in _DTYPES and weight.dtype == x.dtype
             and plain(bias, (n,)) and plain(norm_weight, (k,)) and plain(up, x.shape)
             and plain(residual, (*x.shape[:-1], n)))

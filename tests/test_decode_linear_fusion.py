@@ -176,3 +176,21 @@ def test_nothing_is_fused_across_an_in_place_write(monkeypatch, form):
     assert {"norm": "norm", "gate": "up", "residual": "residual"}[form] not in _fused_parts(call)
     with torch.no_grad():
         torch.testing.assert_close(gm(*[t.clone() for t in inputs]), expected, rtol=0, atol=0)
+
+
+def test_calls_of_several_rows_keep_their_norms_and_gate(monkeypatch):
+    """The kernel's norm and gate prologues run on its one-row path: where the rewrite lets several rows
+    in (its MAX_ROWS raised), those calls take only the residual add, and the kernel refuses a prologue
+    on several rows (the op then runs the reference) instead of failing at run time."""
+    from torch_ext.hops import decode_linear as op
+
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    monkeypatch.setattr(op, "MAX_ROWS", 8)
+    gm, fused, out, expected = _rewritten(Layer().eval(), torch.randn(4, 1, DIM))
+    assert fused == 2  # the two residual adds
+    assert [_fused_parts(c) for c in _calls(gm)] == [set(), {"residual"}, set(), set(), {"residual"}]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    x, w, g = torch.randn(4, DIM), torch.randn(DIM, DIM), torch.randn(DIM)
+    assert op.kernel_takes(x, w, None) and op.kernel_takes(x, w, None, residual=torch.randn(4, DIM))
+    assert not op.kernel_takes(x, w, None, norm_weight=g) and not op.kernel_takes(x, w, None, up=x)
+    assert op.kernel_takes(x[:1], w, None, norm_weight=g, up=x[:1])

@@ -168,10 +168,17 @@ def match_gate(x: fx.Node):
     return None
 
 
+def _one_row(node: fx.Node) -> bool:
+    value = _tensor(node)
+    return value is not None and value.dim() >= 1 and value.numel() == value.shape[-1]
+
+
 def _only_read_as_input(node: fx.Node) -> bool:
-    """Every user of node is a plain decode_linear call reading it as x."""
-    return bool(node.users) and all(_is_plain_call(u) and u.args[_X] is node and
-                                    sum(a is node for a in u.all_input_nodes) == 1 for u in node.users)
+    """Every user of node is a plain one-row decode_linear call reading it as x (the kernel's norm and
+    gate prologues run on its one-row path)."""
+    return bool(node.users) and _one_row(node) and all(
+        _is_plain_call(u) and u.args[_X] is node and sum(a is node for a in u.all_input_nodes) == 1
+        for u in node.users)
 
 
 def _private(nodes: list, owner: fx.Node) -> bool:
