@@ -194,3 +194,25 @@ def test_calls_of_several_rows_keep_their_norms_and_gate(monkeypatch):
     assert op.kernel_takes(x, w, None) and op.kernel_takes(x, w, None, residual=torch.randn(4, DIM))
     assert not op.kernel_takes(x, w, None, norm_weight=g) and not op.kernel_takes(x, w, None, up=x)
     assert op.kernel_takes(x[:1], w, None, norm_weight=g, up=x[:1])
+
+
+def test_a_dynamic_graph_runs_the_op_at_batch_one(monkeypatch):
+    """A graph compiled with a dynamic batch (a server's, or decode.py's) has symbolic rows, which the
+    rewrite leaves alone; a call at batch 1 gets a piece compiled for that size (rewrite/per_size.py),
+    where the rows are known: every projection runs the op with its norm, gate and residual inside.
+    Other sizes keep the general compile. Results equal eager's at each size."""
+    import torch_ext
+    from torch_ext.backend import CompileConfig, counters
+
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    model = Layer().eval()
+    compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True, decode_linear=True))
+    first = torch.randn(4, 1, DIM)
+    torch._dynamo.mark_dynamic(first, 0)
+    with torch.no_grad():
+        for batch in (4, 1, 3, 1):
+            x = first if batch == 4 else torch.randn(batch, 1, DIM)
+            torch.testing.assert_close(compiled(x), model(x), msg=lambda m: f"batch {batch}: {m}")
+            # gate and up merged into one projection: 4 calls; two norms, the gate, two residual adds
+            assert (counters.decode_linear_calls, counters.decode_linear_fusions) == ((0, 0) if batch == 4 else (4, 5))
+    assert counters.graphs_seen == 1 and counters.compiles_by_variant["size=1"] == 1

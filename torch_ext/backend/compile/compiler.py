@@ -18,6 +18,7 @@ from torch_ext.backend.compile.decode_options import decode_piece_patches
 from torch_ext.backend.compile.example_values import restore_example_values
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.counters import counters
+from torch_ext.backend.rewrite.per_size import rewrite_for_size
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,15 @@ class InductorCompiler:
         pm = self.pass_manager(variant)
         return f"{variant.label}|passes={pm.uuid() if pm is not None else ''}|grad={torch.is_grad_enabled()}"
 
+    def piece_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any], variant: Variant) -> fx.GraphModule:
+        """The graph Inductor compiles for this variant: gm, or for a size variant a copy with the
+        decode rewrites a dynamic graph could not take (its shapes are known now)."""
+        restore_example_values(gm)  # a piece of a graph a warm start loaded
+        return rewrite_for_size(gm, example_inputs, self.config) if variant.kind == "size" else gm
+
     def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], variant: Variant, *, name: str = ""):
         """Compile gm for the variant; returns Inductor's CompiledArtifact (callable with *args)."""
+        gm = self.piece_graph(gm, example_inputs, variant)
         # Workarounds for torch bugs win over the user's options: correct results first.
         patches = {**decode_piece_patches(gm, self.config.inductor_options), **self.config.inductor_options,
                    **workarounds.inductor_patches(gm)}
@@ -113,7 +121,6 @@ class InductorCompiler:
         if pm is not None:
             patches["post_grad_custom_post_pass"] = pm
         options = {"config_patches": patches}
-        restore_example_values(gm)  # a piece of a graph a warm start loaded
         start = time.perf_counter()
         token = _current_variant.set(variant)
         # Training pieces: what makes their artifact saveable on this torch (compat).

@@ -14,7 +14,7 @@ import torch.fx as fx
 # What pieces are compiled from, as torch_ext does it: bumped when that changes for one graph (v2:
 # size variants get inputs in their fakes' layout, backend/runtime/layout.py; v3: decode pieces compile
 # with combo kernels, compile/decode_options.py), so no older artifact is taken.
-ARTIFACT_FORMAT = 3
+ARTIFACT_FORMAT = 4
 
 # Operator namespaces of the collectives Dynamo records (functional collectives and c10d ops).
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor")

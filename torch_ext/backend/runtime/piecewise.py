@@ -3,7 +3,8 @@
 A `CompiledPiece` stands for every piece with one fingerprint (identical layers share one), and is
 what the split graph calls. On each call it reads the dynamic size from one argument (an int
 SymInt input, or a dimension of a tensor input) and runs, in this order of preference:
-the variant compiled for exactly that size (CompileConfig.compile_sizes), the variant of the
+the variant compiled for exactly that size (CompileConfig.compile_sizes, and where the decode
+rewrites want the shapes known: rewrite/per_size.py), the variant of the
 bounded range holding it (compile_ranges_split_points), or the general symbolic compile.
 Size and range variants are built at the first call that needs them.
 
@@ -20,6 +21,7 @@ import torch.fx as fx
 
 from torch_ext.backend.runtime import layout
 from torch_ext.backend.compile.compiler import GENERAL, Variant
+from torch_ext.backend.rewrite.per_size import wants_size_variant
 
 _MAX_MEMO_SIZES = 4096  # runtime sizes remembered per piece (beyond: resolved on every call)
 
@@ -147,7 +149,7 @@ class CompiledPiece:
     def _resolve(self, n: int, args) -> Callable:
         config = self.group.config
         variant = GENERAL
-        if n in config.compile_sizes and self.size_specializable:  # else: said by the backend, once
+        if wants_size_variant(config, n) and self.size_specializable:  # else: said by the backend, once
             variant = Variant("size", size=n)
         if variant == GENERAL:
             ranges = self.group.bounded_ranges

@@ -1,0 +1,79 @@
+"""The decode rewrites again, on a piece compiled for one size of a dynamic graph.
+
+The rewrites of backend.rewrite() run on Dynamo's graph, before the split. Where that graph has a
+dynamic batch dim, a linear's row count is a symbol and rewrite/decode_linear.py leaves it alone
+(any count may come). A size variant (compile/compiler.py: CompileConfig.compile_sizes, and the sizes
+below) is compiled from real inputs, so its shapes are known: here the piece's example values are
+propagated again with those shapes, and the decode rewrites run on a copy of the piece. A batch-1
+decode step of a dynamic compile (HF generate, a server's batch dim) then gets the one-row kernel,
+as a static compile does. Pieces never change their inputs here, so the split graph is untouched.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from torch_ext.backend.config import CompileConfig
+from torch_ext.backend.counters import counters
+from torch_ext.backend.rewrite.decode_attention import use_decode_attention
+from torch_ext.backend.rewrite.decode_linear import use_decode_linear
+from torch_ext.backend.rewrite.decode_linear_fusion import fuse_into_decode_linear
+from torch_ext.hops import decode_linear as linear_op
+
+log = logging.getLogger("torch_ext.backend")
+
+
+def wants_size_variant(config: CompileConfig, size: int) -> bool:
+    """Whether a dynamic piece called at this size of its batch dim is compiled for it alone even
+    where compile_sizes do not name it: the rows decode_linear takes (a decode step of a batch that
+    small) get its kernel only where the shapes are known. Sizes no call hits cost nothing."""
+    return size in config.compile_sizes or (config.uses("decode_linear") and 0 < size <= linear_op.MAX_ROWS)
+
+
+def rewrite_for_size(gm: fx.GraphModule, example_inputs, config: CompileConfig) -> fx.GraphModule:
+    """gm, or a copy of it with the decode rewrites applied at these inputs' shapes (inference only)."""
+    if torch.is_grad_enabled() or not (config.uses("decode_linear") or config.uses("decode_attention")):
+        return gm
+    copy = fx.GraphModule(gm, _copy_graph(gm.graph))
+    try:
+        _propagate(copy, example_inputs)
+    except Exception as e:  # an op fake tensors cannot run: compile the piece as it is
+        log.debug("torch_ext: no per-size decode rewrite of a piece (%s: %s)", type(e).__name__, e)
+        return gm
+    replaced = 0
+    if config.uses("decode_attention"):
+        found = use_decode_attention(copy, lambda node: False)  # pieces hold no splitting ops
+        counters.decode_attention_calls += found
+        replaced += found
+    if config.uses("decode_linear"):
+        found = use_decode_linear(copy)
+        counters.decode_linear_calls += found
+        replaced += found
+        if config.decode_linear_fusion:
+            fused = fuse_into_decode_linear(copy)
+            counters.decode_linear_fusions += fused
+            replaced += fused
+    return copy if replaced else gm
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy whose nodes carry copies of the meta dicts (their values are rewritten here)."""
+    new = fx.Graph()
+    output = new.graph_copy(graph, {})
+    new.output(output)
+    return new
+
+
+def _propagate(gm: fx.GraphModule, example_inputs) -> None:
+    """Every node's example value at the inputs' static shapes (fake tensors: nothing runs; a mode
+    without a shape env keeps every shape static)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake)
+    for node in gm.graph.nodes:
+        if "val" in node.meta:
+            node.meta["example_value"] = node.meta["val"]
