@@ -35,8 +35,10 @@ from torch_ext.hops.fused_add_rms_norm import has_triton
 __all__ = ["KERNEL_MAX_ROWS", "MAX_ROWS", "decode_linear", "decode_linear_reference", "decode_linear_triton", "kernel_takes",
            "prologue_reference"]
 
-# Rows (batch x tokens) the kernel serves; more run F.linear. H100, a chain of Llama projections
-# (bench/decode_linear_op.py): one row 0.83x cuBLAS's time, two 1.02x, four 1.30x, eight 1.35x.
+# Rows (batch x tokens) the rewrite gives the kernel; more run F.linear. H100, a chain of Llama projections
+# (bench/decode_linear_op.py): one row 0.83x cuBLAS's time, two 1.02x, four 1.30x, eight 1.35x; in HF
+# Llama with Inductor's PDL around it, the tensor-core path at 4 and 8 rows is 2% slower than cuBLAS
+# (bench/results/inference_floor_rows8_pdl_h100_torch2.11.log).
 MAX_ROWS = 1
 KERNEL_MAX_ROWS = 16  # what the kernel serves (its "dot" path pads rows to 16); MAX_ROWS is the rewrite's choice
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
