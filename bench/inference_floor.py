@@ -36,7 +36,9 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
               ext-nocg-forced-nofuse the same without the fusion
   inductor    torch.compile(model.forward) with Inductor's defaults (no CUDA graphs)
   ext-rows8   ext with decode_linear taking up to 8 rows (its tensor-core path; the default takes one);
-              ext-rows8-n16 the same with 16 output features a program (twice the programs)
+              ext-rows8-n16 the same with 16 output features a program (twice the programs);
+              ext-rows8-p1024-n16-w8 (any numbers): that many weight columns loaded before the wait,
+              features and warps a program
   ext-autotune ext with Inductor's max_autotune (GEMM templates that take pointwise neighbours), batch 1
                only (--autotune: minutes of compile)
 
@@ -121,7 +123,9 @@ def make(name: str, model, root: str, serving: bool = False):
 @contextlib.contextmanager
 def rows_experiment(name: str):
     """ext-rows8: decode_linear takes up to 8 rows (its tensor-core "dot" path) while the column compiles
-    and captures its graphs; ext-rows8-n16: with 16 features a program (twice the programs). Full CUDA
+    and captures its graphs; ext-rows8-n16: with 16 features a program (twice the programs);
+    ext-rows8-p<PRE_K>-n<BLOCK_N>-w<warps>: that many weight columns loaded before the wait for the
+    kernel before (the one-row path loads up to 2048; the dot path by default one tile). Full CUDA
     graphs keep the launches they captured."""
     if not name.startswith("ext-rows8"):
         yield
@@ -129,10 +133,20 @@ def rows_experiment(name: str):
     import torch_ext.hops.decode_linear as op
 
     rows, config = op.MAX_ROWS, op.config
-    op.MAX_ROWS = 8
-    if name == "ext-rows8-n16":
-        op.config = lambda *a, **k: (dict(config(*a, **k), BLOCK_N=16) if config(*a, **k)["PATH"] == "dot"
-                                     else config(*a, **k))
+    overrides = {}
+    for part in name.split("-")[2:]:
+        key = {"p": "PRE_K", "n": "BLOCK_N", "w": "num_warps"}[part[0]]
+        overrides[key] = int(part[1:])
+
+    def patched(r, k, dtype, path=None):
+        cfg = dict(config(r, k, dtype, path))
+        if cfg["PATH"] == "dot":
+            cfg.update(overrides)
+            # a multiple of BLOCK_K, at most k: a power of two <= k
+            cfg["PRE_K"] = max(cfg["BLOCK_K"], min(cfg["PRE_K"], 1 << (k.bit_length() - 1)))
+        return cfg
+
+    op.MAX_ROWS, op.config = 8, patched
     try:
         yield
     finally:
@@ -187,6 +201,7 @@ def step_table(args, setup, bandwidth: float) -> None:
                               "ext-combo", "ext-nocombo", "ext-nofuse", "ext-nocg", "ext-nocg-nofuse",
                               "ext-nocg-forced", "ext-nocg-forced-nofuse", "inductor", "ext-rows8", "ext-rows8-n16"]
                if c in args.columns]
+    columns += sorted(c for c in args.columns if c.startswith("ext-rows8-p"))
     columns += ["autotune", "ext-autotune"] if args.autotune else []
     fns = {}
     for name in columns:
