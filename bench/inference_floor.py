@@ -39,6 +39,7 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
               ext-rows8-n16 the same with 16 output features a program (twice the programs);
               ext-rows8-p1024-n16-w8 (any numbers): that many weight columns loaded before the wait,
               features and warps a program
+  ext-attn1   ext with decode attention in one split (no combine launch; each program walks a whole row)
   ext-autotune ext with Inductor's max_autotune (GEMM templates that take pointwise neighbours), batch 1
                only (--autotune: minutes of compile)
 
@@ -127,6 +128,9 @@ def rows_experiment(name: str):
     ext-rows8-p<PRE_K>-n<BLOCK_N>-w<warps>: that many weight columns loaded before the wait for the
     kernel before (the one-row path loads up to 2048; the dot path by default one tile). Full CUDA
     graphs keep the launches they captured."""
+    if name == "ext-attn1":
+        yield from _one_split_attention()
+        return
     if not name.startswith("ext-rows8"):
         yield
         return
@@ -151,6 +155,19 @@ def rows_experiment(name: str):
         yield
     finally:
         op.MAX_ROWS, op.config = rows, config
+
+
+def _one_split_attention():
+    """ext-attn1: decode attention without splitting the cache (one program per head and sequence
+    walks it all; no combine launch), while the column compiles and captures."""
+    import torch_ext.hops.decode_attention as op
+
+    target = op._TARGET_PROGRAMS
+    op._TARGET_PROGRAMS = 1
+    try:
+        yield
+    finally:
+        op._TARGET_PROGRAMS = target
 
 
 def device_kernels(step, steps: int) -> list | None:
@@ -199,7 +216,7 @@ def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
     columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-nopdl", "ext-plain", "ext-pdl",
                               "ext-combo", "ext-nocombo", "ext-nofuse", "ext-nocg", "ext-nocg-nofuse",
-                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "inductor", "ext-rows8", "ext-rows8-n16"]
+                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "inductor", "ext-rows8", "ext-rows8-n16", "ext-attn1"]
                if c in args.columns]
     columns += sorted(c for c in args.columns if c.startswith("ext-rows8-p"))
     columns += ["autotune", "ext-autotune"] if args.autotune else []
@@ -213,7 +230,7 @@ def step_table(args, setup, bandwidth: float) -> None:
         batches = [1] if name in BATCH_1_ONLY else args.batches
         with rows_experiment(name):
             for b in sorted(batches, reverse=True):
-                for _ in range(3 if name.startswith("ext-rows8") else 1):  # captured inside the experiment
+                for _ in range(3 if name.startswith(("ext-rows8", "ext-attn1")) else 1):  # captured inside
                     setup.reset(b)
                     with torch.no_grad():
                         setup.step(fns[name], b)
