@@ -216,3 +216,19 @@ def test_a_dynamic_graph_runs_the_op_at_batch_one(monkeypatch):
             # gate and up merged into one projection: 4 calls; two norms, the gate, two residual adds
             assert (counters.decode_linear_calls, counters.decode_linear_fusions) == ((0, 0) if batch == 4 else (4, 5))
     assert counters.graphs_seen == 1 and counters.compiles_by_variant["size=1"] == 1
+
+
+def test_a_dynamic_graph_without_linears_gets_no_extra_compile_at_batch_one():
+    """The size-1 variant is for decode_linear: a piece with no linear call keeps its general compile."""
+    import torch_ext
+    from torch_ext.backend import CompileConfig, counters
+
+    model = RMSNorm(DIM).eval()
+    compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True, decode_linear=True))
+    first = torch.randn(4, 1, DIM)
+    torch._dynamo.mark_dynamic(first, 0)
+    with torch.no_grad():
+        for x in (first, torch.randn(1, 1, DIM)):
+            torch.testing.assert_close(compiled(x), model(x))
+    assert counters.graphs_seen == 1 and counters.compiles_by_variant["size=1"] == 0
+    assert counters.compiles_by_variant["general"] == 1

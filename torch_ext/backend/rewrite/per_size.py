@@ -22,16 +22,21 @@ from torch_ext.backend.counters import counters
 from torch_ext.backend.rewrite.decode_attention import use_decode_attention
 from torch_ext.backend.rewrite.decode_linear import use_decode_linear
 from torch_ext.backend.rewrite.decode_linear_fusion import fuse_into_decode_linear
+from torch_ext.backend.rewrite.merge_projections import LINEAR_TARGETS
 from torch_ext.hops import decode_linear as linear_op
 
 log = logging.getLogger("torch_ext.backend")
 
 
-def wants_size_variant(config: CompileConfig, size: int) -> bool:
+def wants_size_variant(config: CompileConfig, size: int, gm: fx.GraphModule) -> bool:
     """Whether a dynamic piece called at this size of its batch dim is compiled for it alone even
     where compile_sizes do not name it: the rows decode_linear takes (a decode step of a batch that
-    small) get its kernel only where the shapes are known. Sizes no call hits cost nothing."""
-    return size in config.compile_sizes or (config.uses("decode_linear") and 0 < size <= linear_op.MAX_ROWS)
+    small) get its kernel only where the shapes are known, so a piece with a linear call gets one.
+    Sizes no call hits cost nothing."""
+    if size in config.compile_sizes:
+        return True
+    return (config.uses("decode_linear") and 0 < size <= linear_op.MAX_ROWS
+            and any(node.op == "call_function" and node.target in LINEAR_TARGETS for node in gm.graph.nodes))
 
 
 def rewrite_for_size(gm: fx.GraphModule, example_inputs, config: CompileConfig) -> fx.GraphModule:

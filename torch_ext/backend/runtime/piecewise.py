@@ -149,7 +149,7 @@ class CompiledPiece:
     def _resolve(self, n: int, args) -> Callable:
         config = self.group.config
         variant = GENERAL
-        if wants_size_variant(config, n) and self.size_specializable:  # else: said by the backend, once
+        if self.size_specializable and wants_size_variant(config, n, self.graph_module):  # else: said by the backend, once
             variant = Variant("size", size=n)
         if variant == GENERAL:
             ranges = self.group.bounded_ranges
