@@ -40,6 +40,8 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
               ext-rows8-p1024-n16-w8 (any numbers): that many weight columns loaded before the wait,
               features and warps a program
   ext-attn1   ext with decode attention in one split (no combine launch; each program walks a whole row)
+  ext-lt      ext with the GEMMs it captures picked by cuBLASLt (torch.backends.cuda.preferred_blas_library);
+              ext-cublas-lt the same for ext-cublas
   ext-autotune ext with Inductor's max_autotune (GEMM templates that take pointwise neighbours), batch 1
                only (--autotune: minutes of compile)
 
@@ -110,7 +112,7 @@ def make(name: str, model, root: str, serving: bool = False):
                                      merge_projections=name != "ext-plain",
                                      decode_attention=False if name == "ext-plain" or NO_DECODE_ATTENTION
                                      else (True if "forced" in name else None),
-                                     decode_linear=False if name in ("ext-plain", "ext-cublas")
+                                     decode_linear=False if name in ("ext-plain", "ext-cublas", "ext-cublas-lt")
                                      else (True if "forced" in name else None),
                                      decode_linear_fusion="nofuse" not in name,
                                      inductor_options={"ext-pdl": {"triton.enable_pdl": True},
@@ -122,7 +124,7 @@ def make(name: str, model, root: str, serving: bool = False):
 
 
 @contextlib.contextmanager
-def rows_experiment(name: str):
+def column_experiment(name: str):
     """ext-rows8: decode_linear takes up to 8 rows (its tensor-core "dot" path) while the column compiles
     and captures its graphs; ext-rows8-n16: with 16 features a program (twice the programs);
     ext-rows8-p<PRE_K>-n<BLOCK_N>-w<warps>: that many weight columns loaded before the wait for the
@@ -130,6 +132,14 @@ def rows_experiment(name: str):
     graphs keep the launches they captured."""
     if name == "ext-attn1":
         yield from _one_split_attention()
+        return
+    if name in ("ext-lt", "ext-cublas-lt"):  # cuBLASLt picks the GEMMs the graphs capture
+        before = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            yield
+        finally:
+            torch.backends.cuda.preferred_blas_library(before)
         return
     if not name.startswith("ext-rows8"):
         yield
@@ -216,7 +226,8 @@ def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
     columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-nopdl", "ext-plain", "ext-pdl",
                               "ext-combo", "ext-nocombo", "ext-nofuse", "ext-nocg", "ext-nocg-nofuse",
-                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "inductor", "ext-rows8", "ext-rows8-n16", "ext-attn1"]
+                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "inductor", "ext-rows8", "ext-rows8-n16", "ext-attn1", "ext-lt",
+                              "ext-cublas-lt"]
                if c in args.columns]
     columns += sorted(c for c in args.columns if c.startswith("ext-rows8-p"))
     columns += ["autotune", "ext-autotune"] if args.autotune else []
@@ -228,9 +239,9 @@ def step_table(args, setup, bandwidth: float) -> None:
             print(f"column {name} skipped: {e}")
             continue
         batches = [1] if name in BATCH_1_ONLY else args.batches
-        with rows_experiment(name):
+        with column_experiment(name):
             for b in sorted(batches, reverse=True):
-                for _ in range(3 if name.startswith(("ext-rows8", "ext-attn1")) else 1):  # captured inside
+                for _ in range(3 if name.startswith(("ext-rows8", "ext-attn1", "ext-lt", "ext-cublas-lt")) else 1):
                     setup.reset(b)
                     with torch.no_grad():
                         setup.step(fns[name], b)
