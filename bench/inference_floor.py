@@ -39,6 +39,8 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
               ext-rows8-n16 the same with 16 output features a program (twice the programs);
               ext-rows8-p1024-n16-w8 (any numbers): that many weight columns loaded before the wait,
               features and warps a program
+  ext-row-n8-p1024-k512-w4 (any numbers): the one-row path's features a program, weight columns loaded
+              before the wait, columns a tile, warps (default 2 / up to 2048 / 512 / 4)
   ext-attn1   ext with decode attention in one split (no combine launch; each program walks a whole row)
   ext-lt      ext with the GEMMs it captures picked by cuBLASLt (torch.backends.cuda.preferred_blas_library);
               ext-cublas-lt the same for ext-cublas
@@ -141,26 +143,29 @@ def column_experiment(name: str):
         finally:
             torch.backends.cuda.preferred_blas_library(before)
         return
-    if not name.startswith("ext-rows8"):
+    if not name.startswith(("ext-rows8", "ext-row-")):
         yield
         return
     import torch_ext.hops.decode_linear as op
 
     rows, config = op.MAX_ROWS, op.config
+    path = "dot" if name.startswith("ext-rows8") else "row"  # ext-row-n<BLOCK_N>-p<PRE_K>-k<BLOCK_K>-w<warps>
     overrides = {}
     for part in name.split("-")[2:]:
-        key = {"p": "PRE_K", "n": "BLOCK_N", "w": "num_warps"}[part[0]]
+        key = {"p": "PRE_K", "n": "BLOCK_N", "w": "num_warps", "k": "BLOCK_K"}[part[0]]
         overrides[key] = int(part[1:])
 
-    def patched(r, k, dtype, path=None):
-        cfg = dict(config(r, k, dtype, path))
-        if cfg["PATH"] == "dot":
+    def patched(r, k, dtype, path_=None):
+        cfg = dict(config(r, k, dtype, path_))
+        if cfg["PATH"] == path:
             cfg.update(overrides)
+            if k % cfg["BLOCK_K"]:
+                cfg["BLOCK_K"] = config(r, k, dtype, path_)["BLOCK_K"]
             # a multiple of BLOCK_K, at most k: a power of two <= k
             cfg["PRE_K"] = max(cfg["BLOCK_K"], min(cfg["PRE_K"], 1 << (k.bit_length() - 1)))
         return cfg
 
-    op.MAX_ROWS, op.config = 8, patched
+    op.MAX_ROWS, op.config = (8 if path == "dot" else rows), patched
     try:
         yield
     finally:
@@ -229,7 +234,7 @@ def step_table(args, setup, bandwidth: float) -> None:
                               "ext-nocg-forced", "ext-nocg-forced-nofuse", "inductor", "ext-rows8", "ext-rows8-n16", "ext-attn1", "ext-lt",
                               "ext-cublas-lt"]
                if c in args.columns]
-    columns += sorted(c for c in args.columns if c.startswith("ext-rows8-p"))
+    columns += sorted(c for c in args.columns if c.startswith(("ext-rows8-p", "ext-row-")))
     columns += ["autotune", "ext-autotune"] if args.autotune else []
     fns = {}
     for name in columns:
@@ -241,7 +246,7 @@ def step_table(args, setup, bandwidth: float) -> None:
         batches = [1] if name in BATCH_1_ONLY else args.batches
         with column_experiment(name):
             for b in sorted(batches, reverse=True):
-                for _ in range(3 if name.startswith(("ext-rows8", "ext-attn1", "ext-lt", "ext-cublas-lt")) else 1):
+                for _ in range(3 if name.startswith(("ext-row", "ext-attn1", "ext-lt", "ext-cublas-lt")) else 1):
                     setup.reset(b)
                     with torch.no_grad():
                         setup.step(fns[name], b)
