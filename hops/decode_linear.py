@@ -102,8 +102,11 @@ def kernel_takes(x, weight, bias, norm_weight=None, up=None, residual=None) -> b
 
 @functools.lru_cache(maxsize=None)
 def config(rows: int, k: int, dtype: torch.dtype, path: str | None = None) -> dict:
-    """Launch config. One row ("row"): the best of bench/pdl_gemv.py's sweep on an H200 (2 features x
-    512 columns a tile, the first 2048 loaded before the wait, 4 warps). A few rows: 16-bit inputs on
+    """Launch config. One row ("row"): 4 features x 512 columns a tile, the first 2048 loaded before
+    the wait, 4 warps. bench/pdl_gemv.py's sweep of plain GEMVs (H200) picked 2 features; with the norm
+    and gate fused, every program computes its prologue over the whole row, and 4 features halve that
+    work: HF Llama batch 1 on an H100 0.861 ms against 0.910 (8 features 0.955, 8 with 8 warps 0.894,
+    bench/results/inference_floor_row_tile_h100_torch2.11.log). A few rows: 16-bit inputs on
     tensor cores ("dot", rows padded to 16; float32 would be tf32), float32 with each row a vector
     against the tile in registers ("rows"). Cached: the caller copies it."""
     import triton
@@ -117,7 +120,8 @@ def config(rows: int, k: int, dtype: torch.dtype, path: str | None = None) -> di
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, PRE_K=block_k, PATH=path, num_warps=4, num_stages=5)
     block_m = 1 if path == "row" else triton.next_power_of_2(rows)
     pre_k = max(block_k, min(1 << (k.bit_length() - 1), 2048))  # a power of two <= k: a multiple of block_k
-    return dict(BLOCK_M=block_m, BLOCK_N=2, BLOCK_K=block_k, PRE_K=pre_k, PATH=path, num_warps=4)
+    return dict(BLOCK_M=block_m, BLOCK_N=4 if path == "row" else 2, BLOCK_K=block_k, PRE_K=pre_k, PATH=path,
+                num_warps=4)
 
 
 def decode_linear_triton(x, weight, bias, pdl: bool, path: str | None = None, overrides: dict | None = None, *,
