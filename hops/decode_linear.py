@@ -32,8 +32,8 @@ import torch
 
 from torch_ext.hops.fused_add_rms_norm import has_triton
 
-__all__ = ["KERNEL_MAX_ROWS", "MAX_ROWS", "decode_linear", "decode_linear_reference", "decode_linear_triton", "kernel_takes",
-           "prologue_reference"]
+__all__ = ["KERNEL_MAX_ROWS", "MAX_ROWS", "decode_linear", "decode_linear_reference", "decode_linear_triton",
+           "kernel_takes", "prologue_reference"]
 
 # Rows (batch x tokens) the rewrite gives the kernel; more run F.linear. H100, a chain of Llama projections
 # (bench/decode_linear_op.py): one row 0.83x cuBLAS's time, two 1.02x, four 1.30x, eight 1.35x; in HF
