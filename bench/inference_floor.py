@@ -40,7 +40,7 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
               ext-rows8-p1024-n16-w8 (any numbers): that many weight columns loaded before the wait,
               features and warps a program
   ext-row-n8-p1024-k512-w4 (any numbers): the one-row path's features a program, weight columns loaded
-              before the wait, columns a tile, warps (default 2 / up to 2048 / 512 / 4)
+              before the wait, columns a tile, warps (default 4 / up to 2048 / 512 / 4)
   ext-attn1   ext with decode attention in one split (no combine launch; each program walks a whole row)
   ext-lt      ext with the GEMMs it captures picked by cuBLASLt (torch.backends.cuda.preferred_blas_library);
               ext-cublas-lt the same for ext-cublas
@@ -127,11 +127,10 @@ def make(name: str, model, root: str, serving: bool = False):
 
 @contextlib.contextmanager
 def column_experiment(name: str):
-    """ext-rows8: decode_linear takes up to 8 rows (its tensor-core "dot" path) while the column compiles
-    and captures its graphs; ext-rows8-n16: with 16 features a program (twice the programs);
-    ext-rows8-p<PRE_K>-n<BLOCK_N>-w<warps>: that many weight columns loaded before the wait for the
-    kernel before (the one-row path loads up to 2048; the dot path by default one tile). Full CUDA
-    graphs keep the launches they captured."""
+    """What an experimental column (the module docstring's ext-rows8*, ext-row-*, ext-attn1, ext-lt,
+    ext-cublas-lt) changes, while it compiles and captures its graphs: full CUDA graphs keep the
+    launches they captured. ext-rows8-p<PRE_K>-n<BLOCK_N>-w<warps> and ext-row-n<BLOCK_N>-p<PRE_K>-
+    k<BLOCK_K>-w<warps> override the launch config of decode_linear's dot or one-row path."""
     if name == "ext-attn1":
         yield from _one_split_attention()
         return

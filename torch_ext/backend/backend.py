@@ -20,9 +20,7 @@ from torch_ext.backend import dump
 from torch_ext.backend.compile.builder import VariantBuilder
 from torch_ext.backend.compile.cache import ArtifactStore, UnsafeCacheDirError, ensure_private_dir, model_key
 from torch_ext.backend.compile.compiler import InductorCompiler
-from torch_ext.backend.rewrite.decode_attention import use_decode_attention
-from torch_ext.backend.rewrite.decode_linear import use_decode_linear
-from torch_ext.backend.rewrite.decode_linear_fusion import fuse_into_decode_linear
+from torch_ext.backend.rewrite.decode import decode_rewrites
 from torch_ext.backend.rewrite.merge_projections import MergePlan, merge_projections
 from torch_ext.backend.runtime.checkpoint import CheckpointedRegion
 from torch_ext.backend.runtime.cudagraph.buffer_stores import expect_transformed_code
@@ -148,13 +146,8 @@ class TorchExtBackend:
             merged = merge_projections(gm)
             if merged is not None:
                 gm, plan = merged
-        if self.config.uses("decode_attention"):
-            # In place (no placeholder changes): Dynamo reads only the placeholders after we return.
-            counters.decode_attention_calls += use_decode_attention(gm, lambda n: self.matcher.match(n) is not None)
-        if self.config.uses("decode_linear"):  # after the merge: merged projections are linears of their own
-            counters.decode_linear_calls += use_decode_linear(gm)
-            if self.config.decode_linear_fusion:
-                counters.decode_linear_fusions += fuse_into_decode_linear(gm)
+        # In place (no placeholder changes): Dynamo reads only the placeholders after we return.
+        decode_rewrites(gm, self.config, lambda n: self.matcher.match(n) is not None)
         return gm, plan
 
     def _store(self, gm: fx.GraphModule, key: str | None = None) -> ArtifactStore | None:

@@ -11,6 +11,7 @@ as a static compile does. Pieces never change their inputs here, so the split gr
 from __future__ import annotations
 
 import logging
+from copy import deepcopy
 
 import torch
 import torch.fx as fx
@@ -18,10 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from torch_ext.backend.config import CompileConfig
-from torch_ext.backend.counters import counters
-from torch_ext.backend.rewrite.decode_attention import use_decode_attention
-from torch_ext.backend.rewrite.decode_linear import use_decode_linear
-from torch_ext.backend.rewrite.decode_linear_fusion import fuse_into_decode_linear
+from torch_ext.backend.rewrite.decode import decode_rewrites
 from torch_ext.backend.rewrite.merge_projections import LINEAR_TARGETS
 from torch_ext.hops import decode_linear as linear_op
 
@@ -43,34 +41,14 @@ def rewrite_for_size(gm: fx.GraphModule, example_inputs, config: CompileConfig) 
     """gm, or a copy of it with the decode rewrites applied at these inputs' shapes (inference only)."""
     if torch.is_grad_enabled() or not (config.uses("decode_linear") or config.uses("decode_attention")):
         return gm
-    copy = fx.GraphModule(gm, _copy_graph(gm.graph))
+    copy = fx.GraphModule(gm, deepcopy(gm.graph))  # nodes with copies of their meta: rewritten here
     try:
         _propagate(copy, example_inputs)
     except Exception as e:  # an op fake tensors cannot run: compile the piece as it is
         log.debug("torch_ext: no per-size decode rewrite of a piece (%s: %s)", type(e).__name__, e)
         return gm
-    replaced = 0
-    if config.uses("decode_attention"):
-        found = use_decode_attention(copy, lambda node: False)  # pieces hold no splitting ops
-        counters.decode_attention_calls += found
-        replaced += found
-    if config.uses("decode_linear"):
-        found = use_decode_linear(copy)
-        counters.decode_linear_calls += found
-        replaced += found
-        if config.decode_linear_fusion:
-            fused = fuse_into_decode_linear(copy)
-            counters.decode_linear_fusions += fused
-            replaced += fused
+    replaced = decode_rewrites(copy, config, lambda node: False)  # pieces hold no splitting ops
     return copy if replaced else gm
-
-
-def _copy_graph(graph: fx.Graph) -> fx.Graph:
-    """A copy whose nodes carry copies of the meta dicts (their values are rewritten here)."""
-    new = fx.Graph()
-    output = new.graph_copy(graph, {})
-    new.output(output)
-    return new
 
 
 def _propagate(gm: fx.GraphModule, example_inputs) -> None:

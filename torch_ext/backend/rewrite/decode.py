@@ -1,0 +1,33 @@
+"""The decode rewrites in their order, each where CompileConfig.uses() says, counted: decode SDPA ->
+decode_attention, one-row linears -> decode_linear (after the merge: merged projections are linears of
+their own), then their norms, gates and residual adds folded in. Run on Dynamo's graph (backend.py)
+and again on a size variant's piece (per_size.py)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.fx as fx
+
+from torch_ext.backend.config import CompileConfig
+from torch_ext.backend.counters import counters
+from torch_ext.backend.rewrite.decode_attention import use_decode_attention
+from torch_ext.backend.rewrite.decode_linear import use_decode_linear
+from torch_ext.backend.rewrite.decode_linear_fusion import fuse_into_decode_linear
+
+
+def decode_rewrites(gm: fx.GraphModule, config: CompileConfig, is_splitting: Callable[[fx.Node], bool]) -> int:
+    """Apply them to gm in place (no placeholder changes); returns how many calls they changed."""
+    changed = 0
+    if config.uses("decode_attention"):
+        found = use_decode_attention(gm, is_splitting)
+        counters.decode_attention_calls += found
+        changed += found
+    if config.uses("decode_linear"):
+        found = use_decode_linear(gm)
+        counters.decode_linear_calls += found
+        changed += found
+        if config.decode_linear_fusion:
+            fused = fuse_into_decode_linear(gm)
+            counters.decode_linear_fusions += fused
+            changed += fused
+    return changed
