@@ -4,7 +4,8 @@
 
 A chain of qkv 6144x2048 -> o 2048x2048 -> gate_up 11264x2048 -> down 2048x5632, bf16, `rows` rows
 (each reading a fixed input: a kernel waits for the one before it all the same), in one CUDA graph: cuBLAS (torch.mm),
-and the op's kernel on each path ("row"/"rows": weight tile times vectors; "dot": tensor cores),
+and the op's kernel on each path ("row"/"rows": weight tile times vectors; "dot": tensor cores; "split":
+tensor cores over runs of K, --split-configs),
 with and without programmatic dependent launch. ms per chain (median of interleaved rounds), x floor
 (weight bytes / copy bandwidth), x cuBLAS, and the relative error of one projection against float64.
 """
@@ -36,6 +37,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sweep-dot", action="store_true", help="the tensor-core path's launch configs, with PDL")
     ap.add_argument("--dot-configs", default="", help="features x columns x warps x stages,... (with PDL)")
+    ap.add_argument("--split-configs", default="",
+                    help="the split path's launch configs, with PDL: n<features>-s<runs of K, 0 auto>-k<columns>-"
+                         "w<warps>-g<stages>[-m] (-m: rows on the matrix unit's wide side, mma.sync), comma-separated")
+    ap.add_argument("--only-split", action="store_true", help="cuBLAS and the --split-configs only")
     args = ap.parse_args()
     bandwidth = copy_bandwidth()
     weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
@@ -57,6 +62,11 @@ def main() -> int:
                 cfg = dict(BLOCK_N=bn, BLOCK_K=bk, PRE_K=bk, num_warps=warps, num_stages=stages)
                 variants[f"dot pdl n{bn} k{bk} w{warps} s{stages}"] = (
                     lambda x, w, cfg=cfg: decode_linear_triton(x, w, None, True, "dot", cfg))
+        for spec in [c for c in args.split_configs.split(",") if c]:
+            cfg = split_config(spec)
+            variants[f"split pdl {spec}"] = lambda x, w, cfg=cfg: decode_linear_triton(x, w, None, True, "split", cfg)
+        if args.only_split:
+            variants = {k: v for k, v in variants.items() if k == "cuBLAS" or k.startswith("split")}
         graphs, errors = {}, {}
         for name, linear in variants.items():
             def chain(linear=linear):
@@ -76,6 +86,19 @@ def main() -> int:
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor_ms:.3f} ms; {args.rounds} interleaved rounds")
     print_table(["rows", "variant", "ms", "x floor", "x cuBLAS", "spread", "rel err"], table)
     return 0
+
+
+def split_config(spec: str) -> dict:
+    """n64-s4-k256-w4-g4[-m] -> the split path's launch config entries."""
+    keys = {"n": "BLOCK_N", "s": "SPLIT", "k": "BLOCK_K", "w": "num_warps", "g": "num_stages"}
+    cfg = {"SWAP": True}
+    for part in spec.split("-"):
+        if part == "m":
+            cfg["SWAP"] = False
+        else:
+            cfg[keys[part[0]]] = int(part[1:])
+    cfg.setdefault("PRE_K", cfg.get("BLOCK_K", 256))
+    return cfg
 
 
 if __name__ == "__main__":

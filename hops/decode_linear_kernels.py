@@ -89,3 +89,69 @@ def decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, up_ptr, res_ptr, eps
         res = tl.load(res_ptr + out_rows[:, None] * N + features[None, :], mask=out_mask, other=0.0)
         out = (out.to(tl.float32) + res.to(tl.float32)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + out_rows[:, None] * N + features[None, :], out, mask=out_mask)
+
+
+@triton.jit
+def decode_linear_split_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, ws_ptr, M, N, K: tl.constexpr,
+                               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, PRE_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+                               SWAP: tl.constexpr, RESIDUAL: tl.constexpr):
+    """The "split" path: program (i, s) owns BLOCK_N features of all rows over the s-th of SPLIT equal runs
+    of K's tiles, so a projection with few features still spreads over every SM. SWAP puts the weight on
+    the matrix unit's wide side (features x rows: wgmma takes 64 features, rows padded to 16). With
+    SPLIT > 1 each program writes float32 partial sums to ws (SPLIT, M, N) and split_reduce_kernel adds
+    them in split order (deterministic, as cuBLAS's split-K)."""
+    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = features < N
+    per_split = (K // BLOCK_K + SPLIT - 1) // SPLIT * BLOCK_K
+    k_begin = tl.program_id(1) * per_split
+    k_end = tl.minimum(k_begin + per_split, K)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = k_begin + tl.arange(0, PRE_K)
+    cols_ok = cols < k_end
+    w = tl.load(w_ptr + features[:, None] * K + cols[None, :], mask=live[:, None] & cols_ok[None, :], other=0.0)
+    wait_then_release(PDL)  # x is complete, y and ws are ours to write
+    x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & cols_ok[None, :], other=0.0)
+    if SWAP:
+        acc = tl.dot(w, tl.trans(x))  # (BLOCK_N, BLOCK_M)
+    else:
+        acc = tl.trans(tl.dot(x, tl.trans(w)))
+    for k0 in range(k_begin + PRE_K, k_end, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + features[:, None] * K + cols[None, :], mask=live[:, None], other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None], other=0.0)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc += tl.trans(tl.dot(x, tl.trans(w)))
+    mask = live[:, None] & row_ok[None, :]
+    offsets = rows[None, :] * N + features[:, None]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + features, mask=live, other=0.0).to(tl.float32)[:, None]
+        out = acc.to(y_ptr.dtype.element_ty)
+        if RESIDUAL:
+            res = tl.load(res_ptr + offsets, mask=mask, other=0.0)
+            out = (out.to(tl.float32) + res.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + offsets, out, mask=mask)
+    else:
+        tl.store(ws_ptr + tl.program_id(1) * M * N + offsets, acc, mask=mask)
+
+
+@triton.jit
+def split_reduce_kernel(ws_ptr, b_ptr, y_ptr, res_ptr, M, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr, RESIDUAL: tl.constexpr):
+    """y = sum of the SPLIT partials (in order) + bias (+ residual), rounded as the one-kernel paths do."""
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < M * N
+    wait_then_release(PDL)
+    acc = tl.load(ws_ptr + idx, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(ws_ptr + s * M * N + idx, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + idx % N, mask=ok, other=0.0).to(tl.float32)
+    out = acc.to(y_ptr.dtype.element_ty)
+    if RESIDUAL:
+        out = (out.to(tl.float32) + tl.load(res_ptr + idx, mask=ok, other=0.0).to(tl.float32)).to(out.dtype)
+    tl.store(y_ptr + idx, out, mask=ok)
