@@ -64,7 +64,9 @@ def main() -> int:
                     lambda x, w, cfg=cfg: decode_linear_triton(x, w, None, True, "dot", cfg))
         for spec in [c for c in args.split_configs.split(",") if c]:
             cfg = split_config(spec)
-            variants[f"split pdl {spec}"] = lambda x, w, cfg=cfg: decode_linear_triton(x, w, None, True, "split", cfg)
+            launch = partial_sums_only if spec.endswith("-p") else (
+                lambda x, w, cfg: decode_linear_triton(x, w, None, True, "split", cfg))
+            variants[f"split pdl {spec}"] = lambda x, w, cfg=cfg, launch=launch: launch(x, w, cfg)
         if args.only_split:
             variants = {k: v for k, v in variants.items() if k == "cuBLAS" or k.startswith("split")}
         graphs, errors = {}, {}
@@ -89,16 +91,39 @@ def main() -> int:
 
 
 def split_config(spec: str) -> dict:
-    """n64-s4-k256-w4-g4[-m] -> the split path's launch config entries."""
-    keys = {"n": "BLOCK_N", "s": "SPLIT", "k": "BLOCK_K", "w": "num_warps", "g": "num_stages"}
+    """n64-s4-k256-w4-g4-e512[-m][-p] -> the split path's launch config entries (e: weight columns loaded
+    before the wait)."""
+    keys = {"n": "BLOCK_N", "s": "SPLIT", "k": "BLOCK_K", "w": "num_warps", "g": "num_stages", "e": "PRE_K"}
     cfg = {"SWAP": True}
     for part in spec.split("-"):
         if part == "m":
             cfg["SWAP"] = False
+        elif part == "p":
+            continue
         else:
             cfg[keys[part[0]]] = int(part[1:])
     cfg.setdefault("PRE_K", cfg.get("BLOCK_K", 256))
     return cfg
+
+
+def partial_sums_only(x, w, cfg: dict) -> torch.Tensor:
+    """The split path's first kernel alone (its partial sums, not added up: a wrong result): what the
+    path would cost if the programs added their partials themselves, without the second launch."""
+    import triton
+
+    from torch_ext.hops.decode_linear_kernels import decode_linear_split_kernel
+
+    (rows, k), n = x.shape, w.shape[0]
+    tiles_n = triton.cdiv(n, cfg["BLOCK_N"])
+    split = max(1, min(cfg["SPLIT"] or triton.cdiv(2 * torch.cuda.get_device_properties(0).multi_processor_count,
+                                                   tiles_n), k // cfg["BLOCK_K"]))
+    ws = torch.empty((split, rows, n), dtype=torch.float32, device=x.device)
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    decode_linear_split_kernel[(tiles_n, split)](
+        x, w, w, y, y, ws, rows, n, K=k, HAS_BIAS=False, BLOCK_M=max(16, triton.next_power_of_2(rows)),
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PRE_K=cfg["PRE_K"], SPLIT=split, PDL=True, SWAP=cfg["SWAP"],
+        RESIDUAL=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=True)
+    return y
 
 
 if __name__ == "__main__":
