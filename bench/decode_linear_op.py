@@ -4,8 +4,7 @@
 
 A chain of qkv 6144x2048 -> o 2048x2048 -> gate_up 11264x2048 -> down 2048x5632, bf16, `rows` rows
 (each reading a fixed input: a kernel waits for the one before it all the same), in one CUDA graph: cuBLAS (torch.mm),
-and the op's kernel on each path ("row"/"rows": weight tile times vectors; "dot": tensor cores; "split":
-tensor cores over runs of K, --split-configs),
+and the op's kernel on each path ("row"/"rows": weight tile times vectors; "dot": tensor cores),
 with and without programmatic dependent launch. ms per chain (median of interleaved rounds), x floor
 (weight bytes / copy bandwidth), x cuBLAS, and the relative error of one projection against float64.
 """
@@ -37,10 +36,6 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sweep-dot", action="store_true", help="the tensor-core path's launch configs, with PDL")
     ap.add_argument("--dot-configs", default="", help="features x columns x warps x stages,... (with PDL)")
-    ap.add_argument("--split-configs", default="",
-                    help="the split path's launch configs, with PDL: n<features>-s<runs of K, 0 auto>-k<columns>-"
-                         "w<warps>-g<stages>[-m] (-m: rows on the matrix unit's wide side, mma.sync), comma-separated")
-    ap.add_argument("--only-split", action="store_true", help="cuBLAS and the --split-configs only")
     args = ap.parse_args()
     bandwidth = copy_bandwidth()
     weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
@@ -62,13 +57,6 @@ def main() -> int:
                 cfg = dict(BLOCK_N=bn, BLOCK_K=bk, PRE_K=bk, num_warps=warps, num_stages=stages)
                 variants[f"dot pdl n{bn} k{bk} w{warps} s{stages}"] = (
                     lambda x, w, cfg=cfg: decode_linear_triton(x, w, None, True, "dot", cfg))
-        for spec in [c for c in args.split_configs.split(",") if c]:
-            cfg = split_config(spec)
-            launch = partial_sums_only if spec.endswith("-p") else (
-                lambda x, w, cfg: decode_linear_triton(x, w, None, True, "split", cfg))
-            variants[f"split pdl {spec}"] = lambda x, w, cfg=cfg, launch=launch: launch(x, w, cfg)
-        if args.only_split:
-            variants = {k: v for k, v in variants.items() if k == "cuBLAS" or k.startswith("split")}
         graphs, errors = {}, {}
         for name, linear in variants.items():
             def chain(linear=linear):
@@ -88,42 +76,6 @@ def main() -> int:
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor_ms:.3f} ms; {args.rounds} interleaved rounds")
     print_table(["rows", "variant", "ms", "x floor", "x cuBLAS", "spread", "rel err"], table)
     return 0
-
-
-def split_config(spec: str) -> dict:
-    """n64-s4-k256-w4-g4-e512[-m][-p] -> the split path's launch config entries (e: weight columns loaded
-    before the wait)."""
-    keys = {"n": "BLOCK_N", "s": "SPLIT", "k": "BLOCK_K", "w": "num_warps", "g": "num_stages", "e": "PRE_K"}
-    cfg = {"SWAP": True}
-    for part in spec.split("-"):
-        if part == "m":
-            cfg["SWAP"] = False
-        elif part == "p":
-            continue
-        else:
-            cfg[keys[part[0]]] = int(part[1:])
-    cfg.setdefault("PRE_K", cfg.get("BLOCK_K", 256))
-    return cfg
-
-
-def partial_sums_only(x, w, cfg: dict) -> torch.Tensor:
-    """The split path's first kernel alone (its partial sums, not added up: a wrong result): what the
-    path would cost if the programs added their partials themselves, without the second launch."""
-    import triton
-
-    from torch_ext.hops.decode_linear_kernels import decode_linear_split_kernel
-
-    (rows, k), n = x.shape, w.shape[0]
-    tiles_n = triton.cdiv(n, cfg["BLOCK_N"])
-    split = max(1, min(cfg["SPLIT"] or triton.cdiv(2 * torch.cuda.get_device_properties(0).multi_processor_count,
-                                                   tiles_n), k // cfg["BLOCK_K"]))
-    ws = torch.empty((split, rows, n), dtype=torch.float32, device=x.device)
-    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    decode_linear_split_kernel[(tiles_n, split)](
-        x, w, w, y, y, ws, rows, n, K=k, HAS_BIAS=False, BLOCK_M=max(16, triton.next_power_of_2(rows)),
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PRE_K=cfg["PRE_K"], SPLIT=split, PDL=True, SWAP=cfg["SWAP"],
-        RESIDUAL=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=True)
-    return y
 
 
 if __name__ == "__main__":

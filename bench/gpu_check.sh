@@ -53,7 +53,7 @@ case "$what" in
             gpu_tests "${GPU_TESTS_TIMEOUT:-240}" | tail -3 ;;
   prefetch) timeout "${PREFETCH_TIMEOUT:-400}" python3 bench/l2_prefetch.py "$@" 2>&1 | tee "$OUT/l2_prefetch.log" ;;
   pdl) timeout "${PDL_TIMEOUT:-300}" python3 bench/pdl_gemv.py "$@" 2>&1 | tee "$OUT/pdl_gemv.log" ;;
-  linear) timeout "${LINEAR_TIMEOUT:-200}" python3 bench/decode_linear_op.py "$@" 2>&1 | tee "$OUT/decode_linear_op.log"
+  linear) timeout 200 python3 bench/decode_linear_op.py "$@" 2>&1 | tee "$OUT/decode_linear_op.log"
           timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_linear_gpu.py 2>&1 \
             | tee "$OUT/decode_linear_gpu_tests.log" | tail -15 ;;
   hfgen) timeout "${HF_TIMEOUT:-540}" python3 bench/hf_generate.py "$@" 2>&1 | tee "$OUT/hf_generate.log" ;;

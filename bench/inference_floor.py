@@ -142,26 +142,19 @@ def column_experiment(name: str):
         finally:
             torch.backends.cuda.preferred_blas_library(before)
         return
-    if not name.startswith(("ext-rows8", "ext-row-", "ext-split")):
+    if not name.startswith(("ext-rows8", "ext-row-")):
         yield
         return
     import torch_ext.hops.decode_linear as op
 
     rows, config = op.MAX_ROWS, op.config
-    # ext-row-n<BLOCK_N>-p<PRE_K>-k<BLOCK_K>-w<warps>; ext-split<rows>-n-s-k-w-g[-m]
-    path = "dot" if name.startswith("ext-rows8") else "split" if name.startswith("ext-split") else "row"
-    max_rows = int(name.split("-")[1][5:]) if path == "split" else 8 if path == "dot" else rows
+    path = "dot" if name.startswith("ext-rows8") else "row"  # ext-row-n<BLOCK_N>-p<PRE_K>-k<BLOCK_K>-w<warps>
     overrides = {}
     for part in name.split("-")[2:]:
-        if part == "m":
-            overrides["SWAP"] = False
-            continue
-        key = {"p": "PRE_K", "n": "BLOCK_N", "w": "num_warps", "k": "BLOCK_K", "s": "SPLIT", "g": "num_stages"}[part[0]]
+        key = {"p": "PRE_K", "n": "BLOCK_N", "w": "num_warps", "k": "BLOCK_K"}[part[0]]
         overrides[key] = int(part[1:])
 
     def patched(r, k, dtype, path_=None):
-        if path == "split" and r > 1 and path_ is None:
-            path_ = "split"
         cfg = dict(config(r, k, dtype, path_))
         if cfg["PATH"] == path:
             cfg.update(overrides)
@@ -171,7 +164,7 @@ def column_experiment(name: str):
             cfg["PRE_K"] = max(cfg["BLOCK_K"], min(cfg["PRE_K"], 1 << (k.bit_length() - 1)))
         return cfg
 
-    op.MAX_ROWS, op.config = max_rows, patched
+    op.MAX_ROWS, op.config = (8 if path == "dot" else rows), patched
     try:
         yield
     finally:
@@ -240,7 +233,7 @@ def step_table(args, setup, bandwidth: float) -> None:
                               "ext-nocg-forced", "ext-nocg-forced-nofuse", "inductor", "ext-rows8", "ext-rows8-n16", "ext-attn1", "ext-lt",
                               "ext-cublas-lt"]
                if c in args.columns]
-    columns += sorted(c for c in args.columns if c.startswith(("ext-rows8-p", "ext-row-", "ext-split")))
+    columns += sorted(c for c in args.columns if c.startswith(("ext-rows8-p", "ext-row-")))
     columns += ["autotune", "ext-autotune"] if args.autotune else []
     fns = {}
     for name in columns:

@@ -40,7 +40,7 @@ __all__ = ["KERNEL_MAX_ROWS", "MAX_ROWS", "decode_linear", "decode_linear_refere
 # Llama with Inductor's PDL around it, the tensor-core path at 4 and 8 rows is 2% slower than cuBLAS
 # (bench/results/inference_floor_rows8_pdl_h100_torch2.11.log).
 MAX_ROWS = 1
-KERNEL_MAX_ROWS = 32  # what the kernel serves (its matrix-unit paths pad rows to 16 or 32); MAX_ROWS is the rewrite's choice
+KERNEL_MAX_ROWS = 16  # what the kernel serves (its "dot" path pads rows to 16); MAX_ROWS is the rewrite's choice
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -112,18 +112,12 @@ def config(rows: int, k: int, dtype: torch.dtype, path: str | None = None) -> di
     import triton
 
     path = path or ("row" if rows == 1 else ("rows" if dtype == torch.float32 else "dot"))
-    if path in ("dot", "split") and dtype == torch.float32:
+    if path == "dot" and dtype == torch.float32:
         path = "rows"
     block_k = next(b for b in (512, 256, 128, 64) if k % b == 0)
-    padded_rows = max(16, triton.next_power_of_2(rows))  # the matrix unit's smallest side
     if path == "dot":  # the best of --dot-configs on an H100 at 8 rows: 32 x 256, 5 stages (1.00x cuBLAS)
         block_k = min(block_k, 256)
-        return dict(BLOCK_M=padded_rows, BLOCK_N=32, BLOCK_K=block_k, PRE_K=block_k, PATH=path, num_warps=4,
-                    num_stages=5)
-    if path == "split":  # SPLIT 0: enough runs of K for two programs an SM (_launch_split)
-        block_k = min(block_k, 256)
-        return dict(BLOCK_M=padded_rows, BLOCK_N=64, BLOCK_K=block_k, PRE_K=block_k, PATH=path, SPLIT=0,
-                    SWAP=True, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, PRE_K=block_k, PATH=path, num_warps=4, num_stages=5)
     block_m = 1 if path == "row" else triton.next_power_of_2(rows)
     pre_k = max(block_k, min(1 << (k.bit_length() - 1), 2048))  # a power of two <= k: a multiple of block_k
     return dict(BLOCK_M=block_m, BLOCK_N=4 if path == "row" else 2, BLOCK_K=block_k, PRE_K=pre_k, PATH=path,
@@ -151,42 +145,8 @@ def decode_linear_triton(x, weight, bias, pdl: bool, path: str | None = None, ov
         raise ValueError(f"decode_linear: the norm and gate prologues run on the one-row path, not {cfg['PATH']!r}")
     up2 = up.reshape(-1, k).contiguous() if up is not None else x2
     res2 = residual.reshape(-1, n).contiguous() if residual is not None else y
-    if cfg["PATH"] == "split":
-        _launch_split(x2, weight, bias, y, res2, residual is not None, pdl, cfg)
-        return y.view(*x.shape[:-1], n)
     decode_linear_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x2, weight, bias if bias is not None else weight, y, norm_weight if norm_weight is not None else weight,
         up2, res2, float(eps), rows, n, K=k, HAS_BIAS=bias is not None, PDL=pdl, NORM=norm_weight is not None,
         GATED=up is not None, RESIDUAL=residual is not None, **cfg, **launch_options(pdl))
     return y.view(*x.shape[:-1], n)
-
-
-def _launch_split(x2, weight, bias, y, res2, has_residual: bool, pdl: bool, cfg: dict) -> None:
-    """The "split" path: the partial kernel, and with SPLIT > 1 the kernel that adds the partials."""
-    import triton
-
-    from torch_ext.hops.decode_linear_kernels import decode_linear_split_kernel, split_reduce_kernel
-    from torch_ext.hops.pdl_kernels import launch_options
-
-    (rows, k), n = x2.shape, weight.shape[0]
-    block_k, tiles_n = cfg["BLOCK_K"], triton.cdiv(n, cfg["BLOCK_N"])
-    while k % block_k:  # whole tiles only (k is a multiple of 64)
-        block_k //= 2
-    split = cfg["SPLIT"] or triton.cdiv(2 * _multiprocessors(x2.device), tiles_n)
-    split = max(1, min(split, k // block_k))
-    ws = torch.empty((split, rows, n), dtype=torch.float32, device=x2.device) if split > 1 else y
-    b = bias if bias is not None else weight
-    decode_linear_split_kernel[(tiles_n, split)](
-        x2, weight, b, y, res2, ws, rows, n, K=k, HAS_BIAS=bias is not None, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, PRE_K=max(block_k, cfg["PRE_K"] // block_k * block_k), SPLIT=split, PDL=pdl, SWAP=cfg["SWAP"],
-        RESIDUAL=has_residual, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
-    if split > 1:
-        block = 1024
-        split_reduce_kernel[(triton.cdiv(rows * n, block),)](
-            ws, b, y, res2, rows, n, SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl,
-            RESIDUAL=has_residual, num_warps=4, **launch_options(pdl))
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132

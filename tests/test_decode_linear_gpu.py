@@ -88,55 +88,6 @@ def test_a_chain_with_dependent_launch_in_a_cuda_graph_reads_each_input_complete
         assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-2
 
 
-@pytest.mark.parametrize("split,swap", [(0, True), (1, True), (3, True), (4, False)])
-@pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("rows,k,n,bias,residual", [(8, 2048, 2048, False, False), (16, 5632, 2048, True, True),
-                                                    (32, 2048, 6144, False, True), (3, 320, 77, True, False)])
-def test_split_path_equals_a_float64_reference(split, swap, pdl, rows, k, n, bias, residual):
-    """Tensor cores over runs of K (SPLIT 0: as many as fill the SMs), partial sums added by a second
-    kernel; every output element written (the output is poisoned first)."""
-    g = torch.Generator(device="cuda").manual_seed(rows * k + n + split)
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5
-    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g) if bias else None
-    r = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16, generator=g) if residual else None
-    torch.empty(rows * n * 8, device="cuda").fill_(float("nan"))  # the allocator hands this memory out again
-    out = decode_linear_triton(x, w, b, pdl, "split", {"SPLIT": split, "SWAP": swap}, residual=r)
-    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-    if r is not None:
-        ref = ref.to(torch.bfloat16).double() + r.double()
-    assert not out.isnan().any()
-    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
-
-
-def test_split_chain_with_dependent_launch_in_a_cuda_graph_reads_each_input_complete():
-    """The split path's two kernels under PDL, captured and replayed on fresh inputs, each linear reading
-    the one before: a read of partial sums or of an input before it is written shows as a moving error."""
-    g = torch.Generator(device="cuda").manual_seed(1)
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5
-               for n, k in [(5632, 2048), (2048, 5632)] * 3]
-    x = torch.empty(8, 2048, device="cuda", dtype=torch.bfloat16)
-
-    def chain(linear=lambda h, w: decode_linear_triton(h, w, None, True, "split"), h=x):
-        for w in weights:
-            h = linear(h, w)
-        return h
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        chain()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
-    for _ in range(20):
-        x.copy_(torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16, generator=g))
-        graph.replay()
-        ref = chain(lambda h, w: torch.nn.functional.linear(h, w.double()), x.double())
-        assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-2
-
-
 @pytest.mark.parametrize("mode,forced", [("none", True), ("none", None), ("full", None)])
 def test_hf_llama_decode_with_the_kernel_matches_eager_and_follows_weight_updates(mode, forced):
     """Without CUDA graphs the op runs only when asked for (decode_linear=True)."""
