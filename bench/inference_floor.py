@@ -34,6 +34,9 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
               (their default without CUDA graphs); ext-nocg-nofuse likewise
   ext-nocg-forced  ext-nocg with decode_attention=True, decode_linear=True (what the default avoids);
               ext-nocg-forced-nofuse the same without the fusion
+  ext-uncaptured  ext compiled with a dynamic batch and capture size 1 only: batches above 1 run the compiled
+              code without graphs, the decode ops there on their reference (hops/launch_policy.py);
+              ext-uncaptured-forced the same with the ops set to True (their kernels launched from Python)
   inductor    torch.compile(model.forward) with Inductor's defaults (no CUDA graphs)
   ext-rows8   ext with decode_linear taking up to 8 rows (its tensor-core path; the default takes one);
               ext-rows8-n16 the same with 16 output features a program (twice the programs);
@@ -91,6 +94,8 @@ NO_DECODE_ATTENTION = False  # --no-decode-attention
 def make(name: str, model, root: str, serving: bool = False):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, name, "inductor")
     dynamic = None if serving else False
+    uncaptured = "uncaptured" in name  # one dynamic compile, graphs of batch 1 only: larger batches run without
+    dynamic = True if uncaptured else dynamic
     if name == "eager":
         return model
     if name == "ro":
@@ -110,7 +115,7 @@ def make(name: str, model, root: str, serving: bool = False):
     config = torch_ext.CompileConfig(cudagraph_mode="none" if "nocg" in name else "full",
                                      guard_free_dispatch=not serving, progress_bar=False,
                                      cache_dir=os.path.join(root, name, "torch_ext"),
-                                     cudagraph_capture_sizes=CAPTURE if serving else (),
+                                     cudagraph_capture_sizes=(1,) if uncaptured else CAPTURE if serving else (),
                                      merge_projections=name != "ext-plain",
                                      decode_attention=False if name == "ext-plain" or NO_DECODE_ATTENTION
                                      else (True if "forced" in name else None),
@@ -230,7 +235,7 @@ def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
     columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-nopdl", "ext-plain", "ext-pdl",
                               "ext-combo", "ext-nocombo", "ext-nofuse", "ext-nocg", "ext-nocg-nofuse",
-                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "inductor", "ext-rows8", "ext-rows8-n16", "ext-attn1", "ext-lt",
+                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "ext-uncaptured", "ext-uncaptured-forced", "inductor", "ext-rows8", "ext-rows8-n16", "ext-attn1", "ext-lt",
                               "ext-cublas-lt"]
                if c in args.columns]
     columns += sorted(c for c in args.columns if c.startswith(("ext-rows8-p", "ext-row-")))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from torch_ext.hops.fused_add_rms_norm import has_triton
+from torch_ext.hops.launch_policy import runs_reference
 
 __all__ = ["decode_attention", "decode_attention_reference", "decode_attention_triton"]
 
@@ -64,7 +65,7 @@ def _(q, k, v, mask, scale):
 
 @decode_attention.register_kernel("cuda")
 def _(q, k, v, mask, scale):
-    if not _triton_takes(q, k, v, mask):
+    if runs_reference("decode_attention") or not _triton_takes(q, k, v, mask):
         return decode_attention_reference(q, k, v, mask, scale)
     return decode_attention_triton(q, k, v, mask, scale)
 

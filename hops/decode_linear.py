@@ -31,6 +31,7 @@ import functools
 import torch
 
 from torch_ext.hops.fused_add_rms_norm import has_triton
+from torch_ext.hops.launch_policy import runs_reference
 
 __all__ = ["KERNEL_MAX_ROWS", "MAX_ROWS", "decode_linear", "decode_linear_reference", "decode_linear_triton",
            "kernel_takes", "prologue_reference"]
@@ -59,7 +60,8 @@ def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=No
 
 @decode_linear.register_kernel("cuda")
 def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None):
-    if not (has_triton() and kernel_takes(x, weight, bias, norm_weight, up, residual)):
+    if runs_reference("decode_linear") or not (has_triton() and kernel_takes(x, weight, bias, norm_weight, up,
+                                                                               residual)):
         return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual)
     from torch_ext.hops.pdl_kernels import has_pdl
 

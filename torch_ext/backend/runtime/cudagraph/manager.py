@@ -118,6 +118,9 @@ class CudaGraphManager:
         self.sizes = tuple(config.cudagraph_capture_sizes)
         self.num_warmup = max(1, config.cudagraph_num_warmup)
         self.check_addresses = config.cudagraph_check_addresses
+        # The decode ops left to their default: a call run without a graph has them run their reference
+        # (hops/launch_policy.py: their kernels pay off only where a graph replays the launches).
+        self.reference_ops = frozenset(op for op in ("decode_attention", "decode_linear") if getattr(config, op) is None)
         self.call_order = CallOrder()  # the graphs share one pool: one call at a time among them
         self.bar_disabled = {True: False, False: True, None: None}[config.progress_bar]
         self._pools: dict[Any, Any] = {}

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from torch_ext import compat
+from torch_ext.hops.launch_policy import launched_from_host
 from torch_ext.backend.runtime.cudagraph.group import CAPTURE, REPLAY, GraphKey, RunnerGroup
 from torch_ext.backend.runtime.cudagraph.errors import CudaGraphAddressError, CudaGraphCaptureError
 from torch_ext.backend.runtime.cudagraph.stats import cudagraph_stats
@@ -163,7 +164,10 @@ class CudaGraphRunner:
         if self.fallback is not None:
             return self.fallback(*args)
         cudagraph_stats.uncaptured_runs += 1
-        return self.runnable(*args)
+        if not self.manager.reference_ops:
+            return self.runnable(*args)
+        with launched_from_host(self.manager.reference_ops):
+            return self.runnable(*args)
 
     def _slow(self, args, plan: _Plan | None):
         if not self.capturable:

@@ -1,0 +1,71 @@
+"""The decode ops' kernels run where a CUDA graph replays them; a call of the same compiled code that
+runs without a graph (a batch above the largest capture size) has the ops left to their default run
+their reference instead (hops/launch_policy.py), and an op the user turned on keeps its kernel. Run
+through the device tool; skipped without CUDA."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import hf_models as hf
+from torch_ext.backend.runtime.cudagraph.stats import cudagraph_stats
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _count_kernel_launches(monkeypatch) -> collections.Counter:
+    """Counts of the ops' Triton launches (the module globals their CUDA kernels call), by op."""
+    import torch_ext.hops.decode_attention as attention
+    import torch_ext.hops.decode_linear as linear
+
+    launches = collections.Counter()
+    for module, name in ((attention, "decode_attention_triton"), (linear, "decode_linear_triton")):
+        def counted(*args, _run=getattr(module, name), _name=name, **kwargs):
+            launches[_name] += 1
+            return _run(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+    return launches
+
+
+def _decode(compiled, model, batch: int, steps: int = 3) -> None:
+    """Prefill eagerly into two StaticCaches, decode with the model and the compiled model: equal logits."""
+    import transformers
+
+    ids = hf.token_ids(batch, 5).cuda()
+    caches = [transformers.StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+        token = ids[:, -1:]
+        for _ in range(steps):
+            expected = model(input_ids=token, past_key_values=caches[0], use_cache=True).logits
+            actual = compiled(input_ids=token, past_key_values=caches[1], use_cache=True).logits
+            torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+            token = expected[:, -1:].argmax(-1)
+
+
+@pytest.mark.parametrize("forced", [None, True])
+def test_uncaptured_batches_run_the_reference_unless_the_user_turned_the_ops_on(monkeypatch, forced):
+    import torch_ext
+    import torch_ext.hops.decode_linear as linear
+    from torch_ext.backend import CompileConfig
+
+    monkeypatch.setattr(linear, "MAX_ROWS", 4)  # batch 3 runs the linear op too
+    torch._dynamo.reset()
+    model = hf.build("llama").cuda().eval()
+    config = CompileConfig(cache_dir=None, cudagraph_mode="full", cudagraph_capture_sizes=(1,), progress_bar=False,
+                           compile_sizes=(3,), decode_attention=forced, decode_linear=forced)
+    compiled = torch_ext.compile(model, config, dynamic=True)
+    launches = _count_kernel_launches(monkeypatch)
+    _decode(compiled, model, 1)  # captured: warm-up, capture, replays
+    assert launches["decode_attention_triton"] > 0 and launches["decode_linear_triton"] > 0
+    launches.clear()
+    cudagraph_stats.reset()
+    _decode(compiled, model, 3)  # above the largest capture size: no graph
+    assert cudagraph_stats.uncaptured_runs >= 3 and cudagraph_stats.replays == 0
+    if forced:
+        assert launches["decode_attention_triton"] > 0 and launches["decode_linear_triton"] > 0
+    else:
+        assert launches == {}, launches
