@@ -94,8 +94,11 @@ NO_DECODE_ATTENTION = False  # --no-decode-attention
 def make(name: str, model, root: str, serving: bool = False):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, name, "inductor")
     dynamic = None if serving else False
-    uncaptured = "uncaptured" in name  # one dynamic compile, graphs of batch 1 only: larger batches run without
-    dynamic = True if uncaptured else dynamic
+    # ext-uncaptured*: graphs of batch 1 only. Called at 1, then 8 (Dynamo recompiles with a dynamic batch:
+    # step_table warms these columns up in ascending order), then 32, batches above 1 run without graphs.
+    # (dynamic=True would make the cache length a symbol too: the runner keys on it and captures nothing.)
+    uncaptured = "uncaptured" in name
+    dynamic = None if uncaptured else dynamic
     if name == "eager":
         return model
     if name == "ro":
@@ -249,7 +252,7 @@ def step_table(args, setup, bandwidth: float) -> None:
             continue
         batches = [1] if name in BATCH_1_ONLY else args.batches
         with column_experiment(name):
-            for b in sorted(batches, reverse=True):
+            for b in sorted(batches, reverse="uncaptured" not in name):
                 for _ in range(3 if name.startswith(("ext-row", "ext-attn1", "ext-lt", "ext-cublas-lt")) else 1):
                     setup.reset(b)
                     with torch.no_grad():
