@@ -236,3 +236,7 @@ def test_an_int_that_is_not_a_batch_size_is_never_padded(mode):
     with torch.no_grad():
         for pos in [1, 2, 3, 5, 6, 7, 9, 3, 5]:
             torch.testing.assert_close(compiled(x, pos), model(x, pos), msg=lambda m: f"pos {pos}: {m}")
+        # A dynamic batch beside it (padded: 3 -> 4, 5 -> 8), the position equal to the batch at times.
+        for rows, pos in [(2, 4), (3, 5), (5, 5), (3, 3), (6, 2), (7, 7), (3, 11)]:
+            x = torch.randn(rows, 16, device="cuda")
+            torch.testing.assert_close(compiled(x, pos), model(x, pos), msg=lambda m: f"{rows} rows, pos {pos}: {m}")

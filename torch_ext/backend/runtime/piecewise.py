@@ -31,17 +31,15 @@ def example_inputs_of(gm: fx.GraphModule) -> list[Any]:
 
 
 def batch_symbol(gm: fx.GraphModule):
-    """The symbol of the dynamic dimension compile sizes refer to: dim 0 of the first input tensor
-    whose dim 0 is symbolic, else the first symbolic int input; None for a static graph."""
-    values = example_inputs_of(gm)
-    for v in values:
+    """The symbol of the dynamic dimension compile sizes and capture sizes refer to: dim 0 of the first
+    input tensor whose dim 0 is symbolic; None where no tensor has one. Never a symbolic int alone: an
+    int that sizes no tensor (a position passed as a Python int) is no batch size, and padding it up
+    to a capture size would change what the graph computes (such a graph runs without CUDA graphs)."""
+    for v in example_inputs_of(gm):
         if isinstance(v, torch.Tensor) and v.dim() > 0 and isinstance(v.shape[0], torch.SymInt):
             expr = v.shape[0].node.expr
             if expr.is_Symbol:
                 return expr
-    for v in values:
-        if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol:
-            return v.node.expr
     return None
 
 
