@@ -73,7 +73,8 @@ from torch_ext.backend.runtime.cudagraph.runner import CudaGraphRunner
 from torch_ext.backend.runtime.cudagraph.stats import CudaGraphStats, cudagraph_stats
 from torch_ext.backend.runtime.direct_call import call_directly
 from torch_ext.backend.split.graph_writes import fake_value, written_placeholders
-from torch_ext.backend.runtime.cudagraph.padding import COPIED, PINNED, STATIC, TENSOR, NotCapturable, padded_size, spec_of
+from torch_ext.backend.runtime.cudagraph.padding import (COPIED, PINNED, STATIC, TENSOR, NotCapturable, OtherSymbols,
+                                                        padded_size, spec_of)
 from torch_ext.backend.runtime.piecewise import CompiledPiece, batch_symbol
 from torch_ext.backend.split.splitter import SplitGraph
 
@@ -206,7 +207,7 @@ class CudaGraphManager:
         self.groups.append(group)
         nodes = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
         inputs, reason = self._input_specs(nodes, [fake_value(n) for n in nodes], info, None)
-        outputs, out_reason = self._output_specs(info.outputs, info.symbol)
+        outputs, out_reason = self._output_specs(info.outputs, info)
         # Writes by splitting ops are theirs to make padding-safe (the full-mode contract).
         exact = any(info.placeholders.get(n.name, (None,) * 4)[3] and not spec.batch_dims
                     for n, spec in zip(nodes, inputs) if spec.kind == TENSOR)
@@ -243,7 +244,7 @@ class CudaGraphManager:
             inputs, reason = self._input_specs(list(node.args), piece.example_inputs, info, written)
             out_node = piece.graph_module.graph.output_node().args[0]
             outputs, out_reason = self._output_specs([fake_value(o) if isinstance(o, fx.Node) else o for o in out_node],
-                                                     info.symbol)
+                                                     info)
             exact = any(i in written and not s.batch_dims for i, s in enumerate(inputs) if s.kind == TENSOR)
             runner = CudaGraphRunner(group, piece, f"{info.name}/{node.target}", inputs, outputs, info.symbol,
                                      piece.single_output, _escaping(split_gm, node), exact, reason or out_reason)
@@ -270,14 +271,26 @@ class CudaGraphManager:
                 spec.written = spec.written and spec.role == COPIED  # copied back after each run
                 specs.append(spec)
         except NotCapturable as e:
-            return [], f"input {name!r}: {e}"
+            return [], self._not_capturable(info.name, f"input {name!r}", e)
         return specs, None
 
-    def _output_specs(self, values: list, symbol):
+    def _output_specs(self, values: list, info: GraphInfo):
         try:
-            return [spec_of(v, symbol, f"output {k}", output=True) for k, v in enumerate(values)], None
+            return [spec_of(v, info.symbol, f"output {k}", output=True) for k, v in enumerate(values)], None
         except NotCapturable as e:
-            return [], f"an output: {e}"
+            return [], self._not_capturable(info.name, "an output", e)
+
+    def _not_capturable(self, graph: str, where: str, e: NotCapturable) -> str:
+        """The reason a region is never captured. Sizes other than the batch size are said once per
+        graph as a warning: the user asked for CUDA graphs, and the usual cause is theirs to change."""
+        reason = f"{where}: {e}"
+        if isinstance(e, OtherSymbols):
+            self.warn_once(("symbols", graph), f"torch_ext: {graph} runs without CUDA graphs: {reason}. Graphs are "
+                           "captured per batch size, the dynamic dim 0 of an input tensor; dynamic=True makes every "
+                           "dim dynamic, and a Python int that changes between calls (a position) becomes a "
+                           "dynamic size too. Mark only the batch dim dynamic (torch._dynamo.mark_dynamic(x, 0), "
+                           "or dynamic=None) and pass changing ints as tensors.")
+        return reason
 
     # -- memory and capture ---------------------------------------------------------------------
 

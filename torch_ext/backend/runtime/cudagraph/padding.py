@@ -18,13 +18,18 @@ class NotCapturable(Exception):
     pass
 
 
+class OtherSymbols(NotCapturable):
+    """A size or int input depends on a dynamic size other than the batch size: graphs are captured per
+    batch size only (the manager says so once, with the fix)."""
+
+
 def _expr(x: Any, symbol) -> Any:
     """x (int or SymInt) as an int or a sympy expression of the batch symbol only."""
     if isinstance(x, torch.SymInt):
         expr = x.node.expr
         extra = expr.free_symbols - ({symbol} if symbol is not None else set())
         if extra:
-            raise NotCapturable(f"its shape depends on {sorted(map(str, extra))} besides the batch size")
+            raise OtherSymbols(f"it depends on {sorted(map(str, extra))}, dynamic sizes other than the batch size")
         return int(expr) if not expr.free_symbols else expr
     if isinstance(x, int):
         return x
