@@ -41,12 +41,12 @@ calls at other sizes (the next call at the same size overwrites it, as with redu
 
 Padding assumes rows of the batch dim are computed independently (token-wise decoder compute). A
 region that writes in place into a tensor without the batch dim (outside splitting ops) would
-write padding rows into it, so such a region is only captured at exact capture siz
+write padding rows into it, so such a region is only captured at exact capture sizes.
 
 Files: this module is the manager (analysis of the Dynamo graph, wrapping, the shared pool and
-capture); runner.py captures and replays one region, group.py times the captures of one graph;
-padding.py holds the shapes as functions of the batch size; split/graph_writes.py finds inputs
-written in place; errors.py and stats.py are imported by the dispatcher and by tests without the rest.
+capture); runner.py captures and replays one region (plan.py: what it holds per size), group.py times
+the captures of one graph; padding.py holds the shapes as functions of the batch size;
+split/graph_writes.py finds inputs written in place; errors.py and stats.py are imported by the dispatcher and by tests without the rest.
 """
 from __future__ import annotations
 

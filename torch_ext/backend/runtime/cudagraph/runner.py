@@ -2,69 +2,23 @@
 
 `CudaGraphRunner` owns a region's static buffers and graphs; its `__call__` is the hot path of a
 replay. The runners of one compiled graph form a `RunnerGroup` that captures a size in one forward
-call (group.py). The shared pool, capture itself and the warnings live in the manager (manager.py).
+call (group.py); what it holds per capture size and batch size is in plan.py. The shared pool,
+capture itself and the warnings live in the manager (manager.py).
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import torch
 
 from torch_ext import compat
-from torch_ext.hops.launch_policy import launched_from_host
-from torch_ext.backend.runtime.cudagraph.group import CAPTURE, REPLAY, GraphKey, RunnerGroup
 from torch_ext.backend.runtime.cudagraph.errors import CudaGraphAddressError, CudaGraphCaptureError
+from torch_ext.backend.runtime.cudagraph.group import CAPTURE, REPLAY, GraphKey, RunnerGroup
+from torch_ext.backend.runtime.cudagraph.padding import (CONST, COPIED, PINNED, SCALAR, STATIC, TENSOR, Spec,
+                                                        locate_batch_size, non_owning, size_at)
+from torch_ext.backend.runtime.cudagraph.plan import NO_GRAPH, Entry, Plan, moved_input
 from torch_ext.backend.runtime.cudagraph.stats import cudagraph_stats
-from torch_ext.backend.runtime.cudagraph.padding import (CONST, COPIED, PINNED, SCALAR, STATIC, TENSOR, Spec, locate_batch_size,
-                                       non_owning, size_at)
-
-
-
-
-
-@dataclasses.dataclass
-class _Entry:
-    """What one runner holds for one capture size."""
-
-    size: Any  # padded batch size (None for a graph without a dynamic dim)
-    key: GraphKey  # RunnerGroup.key
-    static_args: list  # what the wrapped callable gets: static buffers, in-place tensors, ints
-    buffers: dict[int, torch.Tensor]  # own static buffers by input position
-    copy_back: set[int]  # buffered inputs the region writes: copied back to the caller after a run
-    graph: Any = None
-    outputs: list | None = None  # static outputs (non-owning where nothing outside needs them)
-    reused: dict[int, tuple[int, tuple]] = dataclasses.field(default_factory=dict)  # pos -> (ptr, stride)
-    addresses: dict[int, int] = dataclasses.field(default_factory=dict)  # in-place inputs at capture
-    captured_at: int | None = None  # the batch size of the capturing call
-
-
-@dataclasses.dataclass
-class _Plan:
-    """A replay at one runtime batch size: everything precomputed so the call does little."""
-
-    entry: _Entry
-    graph: Any
-    copies: list  # (pos, destination view of n rows)
-    copy_back: list  # (pos, source view of n rows)
-    reused: list  # [pos, ptr, stride, last tensor seen there]: read in place from an earlier graph's output
-    pinned: list  # (pos, ptr): read in place, verified on every replay (a move captures again)
-    checked: list  # (pos, ptr or const): verified when cudagraph_check_addresses is on
-    result: Any
-    replay: Callable | None = None  # the graph's C++ replay, bound (skips CUDAGraph.replay's Python frame)
-    pinned_at: list = dataclasses.field(default_factory=list)  # positions of `pinned`, for one C++ check
-    pinned_ptrs: list = dataclasses.field(default_factory=list)  # their addresses by input position
-    weights: int = 0  # the entry's weight set (a plan of another set than the group's is not replayed)
-
-
-_NO_GRAPH = _Plan(None, None, [], [], [], [], [], None)  # type: ignore[arg-type]
-
-
-def _moved_input(plan: _Plan, args) -> tuple[int, int] | None:
-    """The first pinned input not at its captured address, as (pos, ptr), else None."""
-    if not plan.pinned or compat.data_ptrs_equal(list(args), plan.pinned_ptrs, plan.pinned_at):
-        return None
-    return next((i, ptr) for i, ptr in plan.pinned if args[i].data_ptr() != ptr)
+from torch_ext.hops.launch_policy import launched_from_host
 
 
 class CudaGraphRunner:
@@ -94,12 +48,12 @@ class CudaGraphRunner:
             self.locator = locate_batch_size(inputs, symbol)
             if self.locator is None:
                 self.capturable, self.reason = False, "no input carries the batch size"
-        self._plans: dict[Any, _Plan] = {}  # batch size -> plan, of the weight set self._plans_weights
-        self._plans_by_weights: dict[int, dict[Any, _Plan]] = {0: self._plans}
+        self._plans: dict[Any, Plan] = {}  # batch size -> plan, of the weight set self._plans_weights
+        self._plans_by_weights: dict[int, dict[Any, Plan]] = {0: self._plans}
         self._plans_weights = 0
-        self._entries: dict[GraphKey, _Entry] = {}
+        self._entries: dict[GraphKey, Entry] = {}
         self._device: torch.device | None = None
-        self._retired: list[_Entry] = []  # entries replaced by a re-capture (_moved), until it is done
+        self._retired: list[Entry] = []  # entries replaced by a re-capture (_moved), until it is done
         self._may_need_grad = any(s.kind == TENSOR for s in inputs)
         # Inputs written in place that carry the batch dim (a KV cache per batch size): read where they
         # are by the graph of a call at exactly a capture size; a padded call copies them (group.key).
@@ -136,7 +90,7 @@ class CudaGraphRunner:
             return self._slow(args, plan)
         return self._replay(plan, args)
 
-    def _replay(self, plan: _Plan, args):
+    def _replay(self, plan: Plan, args):
         for reused in plan.reused:
             a = args[reused[0]]
             if a is not reused[3]:  # the previous piece hands over the same result tensors each step
@@ -147,7 +101,7 @@ class CudaGraphRunner:
                                            self.name, reused[0])
                     return self._uncaptured(args)
                 reused[3] = a
-        moved = _moved_input(plan, args)
+        moved = moved_input(plan, args)
         if moved is not None:
             return self._moved(plan.entry, *moved, args)
         if plan.checked:
@@ -169,7 +123,7 @@ class CudaGraphRunner:
         with launched_from_host(self.manager.reference_ops):
             return self.runnable(*args)
 
-    def _slow(self, args, plan: _Plan | None):
+    def _slow(self, args, plan: Plan | None):
         if not self.capturable:
             if self.reason is not None:
                 self.manager.note_once(("never", self.name), "torch_ext: %s runs without CUDA graphs: %s",
@@ -191,7 +145,7 @@ class CudaGraphRunner:
         n = int(n) if n is not None else None
         size = self.manager.capture_size(n, self.max_size) if self.symbol is not None else None
         if self.symbol is not None and (size is None or (self.exact_only and size != n)):
-            self._plans[n] = _NO_GRAPH
+            self._plans[n] = NO_GRAPH
             return self._uncaptured(args)
         key = self.group.key(size, n)
         entry = self._entries.get(key)
@@ -209,7 +163,7 @@ class CudaGraphRunner:
         cudagraph_stats.uncaptured_runs += 1
         return self._run_padded(entry, n, args)
 
-    def _follow_weights(self, args) -> _Plan | None:
+    def _follow_weights(self, args) -> Plan | None:
         """Switch to the plans of the group's weight set; the plan of this call's batch size, if any."""
         ws = self._plans_weights = self.group.weights
         self._plans = self._plans_by_weights.setdefault(ws, {})
@@ -233,7 +187,7 @@ class CudaGraphRunner:
 
     # -- static buffers, plans ------------------------------------------------------------------
 
-    def _new_entry(self, size, key, args) -> _Entry:
+    def _new_entry(self, size, key, args) -> Entry:
         static_args = list(args)
         buffers: dict[int, torch.Tensor] = {}
         copy_back: set[int] = set()
@@ -249,14 +203,14 @@ class CudaGraphRunner:
                 buffers[i] = static_args[i] = buf
                 if spec.written or spec.role == PINNED:
                     copy_back.add(i)
-        return _Entry(size, key, static_args, buffers, copy_back)
+        return Entry(size, key, static_args, buffers, copy_back)
 
     def _rows(self, t: torch.Tensor, spec: Spec, n) -> torch.Tensor:
         for d in spec.batch_dims:
             t = t.narrow(d, 0, n)
         return t
 
-    def _fill(self, entry: _Entry, n, args) -> list:
+    def _fill(self, entry: Entry, n, args) -> list:
         """Copy the copied inputs into the entry's buffers; returns (pos, view) of the written ones."""
         back = []
         for i, buf in entry.buffers.items():
@@ -280,14 +234,14 @@ class CudaGraphRunner:
     def _outputs(self, out) -> list:
         return [out] if self.single_output else list(out)
 
-    def _run_padded(self, entry: _Entry, n, args):
+    def _run_padded(self, entry: Entry, n, args):
         back = self._fill(entry, n, args)
         out = self._outputs(self.runnable(*entry.static_args))
         for i, view in back:
             args[i].copy_(view)
         return self._result(out, n)
 
-    def _plan(self, entry: _Entry, n) -> _Plan:
+    def _plan(self, entry: Entry, n) -> Plan:
         copies, copy_back = [], []
         for i, buf in entry.buffers.items():
             view = self._rows(buf, self.inputs[i], n)
@@ -304,12 +258,12 @@ class CudaGraphRunner:
         if strict:
             checked = [(i, entry.addresses[i]) for i, s in enumerate(self.inputs) if s.kind == TENSOR and s.role == STATIC]
             checked += [(i, s.value) for i, s in enumerate(self.inputs) if s.kind == CONST]
-        return _Plan(entry, entry.graph, copies, copy_back, reused, pinned, checked, self._result(entry.outputs, n),
+        return Plan(entry, entry.graph, copies, copy_back, reused, pinned, checked, self._result(entry.outputs, n),
                      _replayer(entry.graph), *compat.address_check(pinned, len(self.inputs)), weights=entry.key.weights)
 
     # -- capture ----------------------------------------------------------------------------------
 
-    def _capture(self, entry: _Entry, n, args):
+    def _capture(self, entry: Entry, n, args):
         for i, spec in enumerate(self.inputs):
             if spec.kind != TENSOR:
                 continue
@@ -361,7 +315,7 @@ class CudaGraphRunner:
         # Owned outputs for this call: the memory stays taken until the forward is done with it.
         return self._result(outs, n)
 
-    def _moved(self, entry: _Entry, i: int, ptr: int, args):
+    def _moved(self, entry: Entry, i: int, ptr: int, args):
         """A tensor the graph reads in place is at another address than at capture (generate makes a
         new cache per call; `load_state_dict(assign=True)` new parameters). Where the leader's
         parameters moved, the call names another weight set (RunnerGroup.choose_weights), served by
@@ -392,14 +346,14 @@ class CudaGraphRunner:
             self._retired.append(entry)
         self._forget_plans(entry)
 
-    def _forget_plans(self, entry: _Entry) -> None:
+    def _forget_plans(self, entry: Entry) -> None:
         plans = self._plans_by_weights.get(entry.key.weights, {})
         for n in [n for n, p in plans.items() if p.entry is entry]:
             del plans[n]
 
     # -- errors -----------------------------------------------------------------------------------
 
-    def _moved_error(self, entry: _Entry, i: int, arg: torch.Tensor, ptr: int) -> CudaGraphAddressError:
+    def _moved_error(self, entry: Entry, i: int, arg: torch.Tensor, ptr: int) -> CudaGraphAddressError:
         spec = self.inputs[i]
         why = "a parameter or buffer (or a tensor marked with torch._dynamo.mark_static_address)"
         return CudaGraphAddressError(
@@ -409,7 +363,7 @@ class CudaGraphRunner:
             "had at capture. Keep such tensors where they are between calls: update them in place (copy_, "
             "index_copy_) instead of assigning new tensors, or run with cudagraph_mode='none'.")
 
-    def _check(self, plan: _Plan, args) -> None:
+    def _check(self, plan: Plan, args) -> None:
         for i, expected in plan.checked:
             spec = self.inputs[i]
             if spec.kind == CONST:
