@@ -93,12 +93,11 @@ NO_DECODE_ATTENTION = False  # --no-decode-attention
 
 def make(name: str, model, root: str, serving: bool = False):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, name, "inductor")
-    dynamic = None if serving else False
     # ext-uncaptured*: graphs of batch 1 only. Called at 1, then 8 (Dynamo recompiles with a dynamic batch:
     # step_table warms these columns up in ascending order), then 32, batches above 1 run without graphs.
-    # (dynamic=True would make the cache length a symbol too: the runner keys on it and captures nothing.)
+    # (dynamic=True would make the cache length a symbol too, and nothing would be captured.)
     uncaptured = "uncaptured" in name
-    dynamic = None if uncaptured else dynamic
+    dynamic = None if serving or uncaptured else False
     if name == "eager":
         return model
     if name == "ro":

@@ -144,6 +144,18 @@ class BatchCacheDecoder(TinyDecoder):
         return make(), make()
 
 
+class PositionStep(nn.Module):
+    """A step taking its position as a Python int (Meta's Llama reference does), its tensors static: once
+    the int changes, Dynamo makes it a symbolic int input that sizes no tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D_MODEL, D_MODEL)
+
+    def forward(self, x, pos: int):
+        return self.proj(x) * pos + pos
+
+
 SPLITTING_OPS = ("torch_ext_cg::cache_attention", "torch_ext_cg::decode_attention", "torch_ext_cg::decode_attention_into",
                  "torch_ext_cg::decode_attention_into_inference", "torch_ext_cg::decode_attention_checked")
 

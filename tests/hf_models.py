@@ -131,12 +131,7 @@ def hop_calls(gm: torch.fx.GraphModule) -> list[str]:
 def cuda_decode_matches_eager(mode: str, batch: int, steps: int = 5, update_weights_at: int | None = None,
                               **config_fields):
     """A tiny Llama on CUDA and torch_ext.compile of it (cudagraph_mode=mode, guard-free dispatch,
-    config_fields):
-    prefill eagerly into two StaticCaches, then decode `steps` tokens each way; logits must agree at
-    every step. At step `update_weights_at` every weight is scaled in place first (an optimizer-style
-    update the compiled model must read). Returns the model."""
-    import transformers
-
+    config_fields), decoded against eager by decode_steps_match. Returns the model."""
     import torch_ext
     from torch_ext.backend import CompileConfig
 
@@ -144,7 +139,18 @@ def cuda_decode_matches_eager(mode: str, batch: int, steps: int = 5, update_weig
     model = build("llama").cuda().eval()
     compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True, cudagraph_mode=mode,
                                                       progress_bar=False, **config_fields), dynamic=False)
-    ids = token_ids(batch, 6).cuda()
+    decode_steps_match(model, compiled, batch, steps, update_weights_at)
+    return model
+
+
+def decode_steps_match(model: nn.Module, compiled, batch: int, steps: int = 5,
+                       update_weights_at: int | None = None) -> None:
+    """Prefill eagerly into two StaticCaches on the model's device, then decode `steps` tokens with the
+    model and with `compiled`; logits must agree at every step. At step `update_weights_at` every
+    weight is scaled in place first (an optimizer-style update the compiled model must read)."""
+    import transformers
+
+    ids = token_ids(batch, 6).to(next(model.parameters()).device)
     caches = [transformers.StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
     with torch.no_grad():
         for cache in caches:
@@ -158,4 +164,3 @@ def cuda_decode_matches_eager(mode: str, batch: int, steps: int = 5, update_weig
             actual = compiled(input_ids=token, past_key_values=caches[1], use_cache=True).logits
             torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
             token = expected[:, -1:].argmax(-1)
-    return model

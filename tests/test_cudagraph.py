@@ -526,25 +526,13 @@ def test_a_failed_capture_is_a_clear_error_then_the_region_runs_without_graphs(f
     assert not be.cudagraphs.runners()[0].capturable
 
 
-class _PositionStep(nn.Module):
-    """A step taking its position as a Python int (as Meta's Llama reference does), its tensors static:
-    once the int changes, Dynamo makes it the graph's only symbol."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(cm.D_MODEL, cm.D_MODEL)
-
-    def forward(self, x, pos: int):
-        return self.proj(x) * pos + pos
-
-
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
 def test_an_int_that_sizes_no_tensor_is_not_padded_as_a_batch_size(mode):
     """Padding replaces an int equal to the batch size by the capture size: an int that sizes no tensor
     (a position) taken for the batch size ran position 3 as 4 (a wrong result). Now the graph runs
     without CUDA graphs and says why once, with the fix; later calls say nothing more."""
     torch._dynamo.reset()
-    model = _PositionStep()
+    model = cm.PositionStep()
     compiled = torch.compile(model, backend=backend(mode))
     x = torch.randn(3, cm.D_MODEL)
     with warnings.catch_warnings(record=True) as record:

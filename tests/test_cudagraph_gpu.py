@@ -212,31 +212,19 @@ def test_caches_with_the_batch_dim_are_read_in_place_and_recaptured_when_new(mod
     assert cudagraph_stats.recaptures >= 4 and cudagraph_stats.replays > 0
 
 
-class _PositionStep(torch.nn.Module):
-    """A decoder-style step taking its position as a Python int (Meta's Llama reference does): once
-    the int changes, Dynamo makes it a SymInt input while every tensor shape stays static."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = torch.nn.Linear(16, 16)
-
-    def forward(self, x, pos: int):
-        return self.proj(x) * pos + pos
-
-
 @pytest.mark.parametrize("mode", ["full", "piecewise"])
 def test_an_int_that_is_not_a_batch_size_is_never_padded(mode):
     """Only a dynamic dim of a tensor is a batch size: an int input that sizes no tensor (a position)
     must not be read as one, padded up to a capture size and replaced by it."""
     torch._dynamo.reset()
-    model = _PositionStep().cuda()
+    model = cm.PositionStep().cuda()
     compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, cudagraph_mode=mode, progress_bar=False,
                                                       cudagraph_capture_sizes=(1, 2, 4, 8, 16)))
-    x = torch.randn(3, 16, device="cuda")
+    x = torch.randn(3, cm.D_MODEL, device="cuda")
     with torch.no_grad():
         for pos in [1, 2, 3, 5, 6, 7, 9, 3, 5]:
             torch.testing.assert_close(compiled(x, pos), model(x, pos), msg=lambda m: f"pos {pos}: {m}")
         # A dynamic batch beside it (padded: 3 -> 4, 5 -> 8), the position equal to the batch at times.
         for rows, pos in [(2, 4), (3, 5), (5, 5), (3, 3), (6, 2), (7, 7), (3, 11)]:
-            x = torch.randn(rows, 16, device="cuda")
+            x = torch.randn(rows, cm.D_MODEL, device="cuda")
             torch.testing.assert_close(compiled(x, pos), model(x, pos), msg=lambda m: f"{rows} rows, pos {pos}: {m}")

@@ -29,23 +29,6 @@ def _count_kernel_launches(monkeypatch) -> collections.Counter:
     return launches
 
 
-def _decode(compiled, model, batch: int, steps: int = 3) -> None:
-    """Prefill eagerly into two StaticCaches, decode with the model and the compiled model: equal logits."""
-    import transformers
-
-    ids = hf.token_ids(batch, 5).cuda()
-    caches = [transformers.StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
-    with torch.no_grad():
-        for cache in caches:
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
-        token = ids[:, -1:]
-        for _ in range(steps):
-            expected = model(input_ids=token, past_key_values=caches[0], use_cache=True).logits
-            actual = compiled(input_ids=token, past_key_values=caches[1], use_cache=True).logits
-            torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
-            token = expected[:, -1:].argmax(-1)
-
-
 @pytest.mark.parametrize("forced", [None, True])
 def test_uncaptured_batches_run_the_reference_unless_the_user_turned_the_ops_on(monkeypatch, forced):
     import torch_ext
@@ -59,11 +42,11 @@ def test_uncaptured_batches_run_the_reference_unless_the_user_turned_the_ops_on(
                            compile_sizes=(3,), decode_attention=forced, decode_linear=forced)
     compiled = torch_ext.compile(model, config, dynamic=True)
     launches = _count_kernel_launches(monkeypatch)
-    _decode(compiled, model, 1)  # captured: warm-up, capture, replays
+    hf.decode_steps_match(model, compiled, 1, steps=3)  # captured: warm-up, capture, replays
     assert launches["decode_attention_triton"] > 0 and launches["decode_linear_triton"] > 0
     launches.clear()
     cudagraph_stats.reset()
-    _decode(compiled, model, 3)  # above the largest capture size: no graph
+    hf.decode_steps_match(model, compiled, 3, steps=3)  # above the largest capture size: no graph
     assert cudagraph_stats.uncaptured_runs >= 3 and cudagraph_stats.replays == 0
     if forced:
         assert launches["decode_attention_triton"] > 0 and launches["decode_linear_triton"] > 0
