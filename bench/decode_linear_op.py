@@ -4,7 +4,8 @@
 
 A chain of qkv 6144x2048 -> o 2048x2048 -> gate_up 11264x2048 -> down 2048x5632, bf16, `rows` rows
 (each reading a fixed input: a kernel waits for the one before it all the same), in one CUDA graph: cuBLAS (torch.mm),
-and the op's kernel on each path ("row"/"rows": weight tile times vectors; "dot": tensor cores),
+and the op's kernel on each path ("row"/"rows": weight tile times vectors; "dot": tensor cores; "mma": the
+CUDA path, hops/decode_linear_mma.py),
 with and without programmatic dependent launch. ms per chain (median of interleaved rounds), x floor
 (weight bytes / copy bandwidth), x cuBLAS, and the relative error of one projection against float64.
 """
@@ -25,8 +26,9 @@ from graphs import capture, interleaved, ratio_cells  # noqa: E402
 from table import print_table  # noqa: E402
 
 from torch_ext.hops.decode_linear import decode_linear_triton  # noqa: E402
+from torch_ext.hops.decode_linear_mma import decode_linear_mma  # noqa: E402
 
-SHAPES = [(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]  # (out, in) of qkv, o, gate_up, down
+SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632)}  # (out, in)
 
 
 def main() -> int:
@@ -36,20 +38,30 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sweep-dot", action="store_true", help="the tensor-core path's launch configs, with PDL")
     ap.add_argument("--dot-configs", default="", help="features x columns x warps x stages,... (with PDL)")
+    ap.add_argument("--mma-configs", default="", help="the CUDA path's m-tiles x warps x chunks in flight,... (with PDL)")
+    ap.add_argument("--shapes", default="qkv,o,gate_up,down", help="which projections the chain holds")
+    ap.add_argument("--paths", default="vector,dot,mma", help="which of the op's paths to time beside cuBLAS")
     args = ap.parse_args()
+    shapes = [SHAPES[s] for s in args.shapes.split(",")]
     bandwidth = copy_bandwidth()
     weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
-               for _ in range(args.layers) for n, k in SHAPES]
+               for _ in range(args.layers) for n, k in shapes]
     floor_ms = sum(w.numel() * 2 for w in weights) / bandwidth * 1e3
     table = []
     for rows in [int(r) for r in args.rows.split(",")]:
-        inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16, device="cuda") for k in {k for _, k in SHAPES}}
+        inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16, device="cuda") for k in {k for _, k in shapes}}
         vector_path = "row" if rows == 1 else "rows"
         variants = {"cuBLAS": lambda x, w: torch.mm(x, w.t())}
-        for path in (vector_path, "dot"):
+        paths = [vector_path if p == "vector" else p for p in args.paths.split(",") if p]
+        for path in paths:
             for pdl in (False, True):
                 variants[f"{path}{' pdl' if pdl else ''}"] = (
-                    lambda x, w, path=path, pdl=pdl: decode_linear_triton(x, w, None, pdl, path))
+                    (lambda x, w, pdl=pdl: decode_linear_mma(x, w, None, pdl)) if path == "mma" else
+                    (lambda x, w, path=path, pdl=pdl: decode_linear_triton(x, w, None, pdl, path)))
+        for c in (c for c in args.mma_configs.split(",") if c):
+            mt, warps, unroll = (int(v) for v in c.split("x"))
+            variants[f"mma pdl m{mt} w{warps} u{unroll}"] = (
+                lambda x, w, cfg=(mt, warps, unroll): decode_linear_mma(x, w, None, True, config=cfg))
         configs = list(itertools.product((16, 32), (256, 512), (4, 8), (2, 3, 4))) if args.sweep_dot else []
         configs += [tuple(int(v) for v in c.split("x")) for c in args.dot_configs.split(",") if c]
         if configs:
@@ -63,8 +75,8 @@ def main() -> int:
                 for w in weights:
                     linear(inputs[w.shape[1]], w)
             try:
-                y = linear(inputs[5632], weights[3])
-                ref = inputs[5632].double() @ weights[3].double().t()
+                y = linear(inputs[weights[-1].shape[1]], weights[-1])
+                ref = inputs[weights[-1].shape[1]].double() @ weights[-1].double().t()
                 errors[name] = ((y.double() - ref).norm() / ref.norm()).item()
                 graphs[name], _ = capture(chain)
             except Exception as e:  # a config past the shared memory must not cost the others
@@ -72,7 +84,7 @@ def main() -> int:
         times = interleaved(graphs, args.rounds)
         for name in graphs:
             table.append([rows, name, *ratio_cells(times, name, "cuBLAS", floor_ms), f"{errors[name]:.1e}"])
-    print(f"\n{args.layers} layers of 4 projections, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
+    print(f"\n{args.layers} layers of {args.shapes}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor_ms:.3f} ms; {args.rounds} interleaved rounds")
     print_table(["rows", "variant", "ms", "x floor", "x cuBLAS", "spread", "rel err"], table)
     return 0

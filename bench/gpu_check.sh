@@ -16,6 +16,8 @@
 #   bash bench/gpu_check.sh prefetch  python bench/l2_prefetch.py (extra args go to it)
 #   bash bench/gpu_check.sh pdl     python bench/pdl_gemv.py (extra args go to it)
 #   bash bench/gpu_check.sh linear  python bench/decode_linear_op.py (extra args go to it), then the decode-linear GPU tests
+#   bash bench/gpu_check.sh mma     the CUDA decode-linear path's GPU tests (stop at the first failure), then
+#                                   python bench/decode_linear_op.py (extra args go to it)
 #   bash bench/gpu_check.sh regional  python bench/regional_cudagraphs.py (extra args go to it), then the GPU tests
 # Logs go to $OUT (or /tmp/torch_ext_gpu).
 set -o pipefail
@@ -56,6 +58,9 @@ case "$what" in
   linear) timeout 200 python3 bench/decode_linear_op.py "$@" 2>&1 | tee "$OUT/decode_linear_op.log"
           timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_linear_gpu.py 2>&1 \
             | tee "$OUT/decode_linear_gpu_tests.log" | tail -15 ;;
+  mma) timeout 240 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_decode_linear_mma_gpu.py 2>&1 \
+         | tee "$OUT/decode_linear_mma_gpu_tests.log" | tail -15
+       timeout "${MMA_TIMEOUT:-300}" python3 bench/decode_linear_op.py "$@" 2>&1 | tee "$OUT/decode_linear_op.log" ;;
   hfgen) timeout "${HF_TIMEOUT:-540}" python3 bench/hf_generate.py "$@" 2>&1 | tee "$OUT/hf_generate.log" ;;
   hfprofile) timeout "${HF_TIMEOUT:-420}" python3 bench/hf_decode_profile.py "$@" 2>&1 | tee "$OUT/hf_profile.log" ;;
   profile) timeout 250 python3 bench/decode_profile.py 2>&1 | tee "$OUT/profile.log"

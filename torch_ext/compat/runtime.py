@@ -86,3 +86,9 @@ def no_modes_or_autocast_active() -> bool:
     return not (a() or b() or c() or d())
 
 
+
+
+def cuda_kernel_compiler():
+    """torch.cuda._compile_kernel(source, name) (NVRTC to a cubin for the current device; private, in
+    2.9.1 through 2.15), or None: the kernels built with it then fall back to their reference."""
+    return getattr(torch.cuda, "_compile_kernel", None)
