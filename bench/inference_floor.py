@@ -38,10 +38,8 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
               code without graphs, the decode ops there on their reference (hops/launch_policy.py);
               ext-uncaptured-forced the same with the ops set to True (their kernels launched from Python)
   inductor    torch.compile(model.forward) with Inductor's defaults (no CUDA graphs)
-  ext-rows8   ext with decode_linear taking up to 8 rows (its tensor-core path; the default takes one);
-              ext-rows8-n16 the same with 16 output features a program (twice the programs);
-              ext-rows8-p1024-n16-w8 (any numbers): that many weight columns loaded before the wait,
-              features and warps a program
+  ext-rows1   ext with decode_linear at one row only (cuBLAS and Inductor's norms from two rows up: the
+              default before the op's CUDA path for 2-8 rows);
   ext-row-n8-p1024-k512-w4 (any numbers): the one-row path's features a program, weight columns loaded
               before the wait, columns a tile, warps (default 4 / up to 2048 / 512 / 4)
   ext-attn1   ext with decode attention in one split (no combine launch; each program walks a whole row)
@@ -134,10 +132,10 @@ def make(name: str, model, root: str, serving: bool = False):
 
 @contextlib.contextmanager
 def column_experiment(name: str):
-    """What an experimental column (the module docstring's ext-rows8*, ext-row-*, ext-attn1, ext-lt,
+    """What an experimental column (the module docstring's ext-rows1, ext-row-*, ext-attn1, ext-lt,
     ext-cublas-lt) changes, while it compiles and captures its graphs: full CUDA graphs keep the
-    launches they captured. ext-rows8-p<PRE_K>-n<BLOCK_N>-w<warps> and ext-row-n<BLOCK_N>-p<PRE_K>-
-    k<BLOCK_K>-w<warps> override the launch config of decode_linear's dot or one-row path."""
+    launches they captured. ext-row-n<BLOCK_N>-p<PRE_K>-k<BLOCK_K>-w<warps> overrides the launch config
+    of decode_linear's one-row path."""
     if name == "ext-attn1":
         yield from _one_split_attention()
         return
@@ -149,13 +147,22 @@ def column_experiment(name: str):
         finally:
             torch.backends.cuda.preferred_blas_library(before)
         return
-    if not name.startswith(("ext-rows8", "ext-row-")):
+    if name == "ext-rows1":  # decode_linear at one row only (before its CUDA path): cuBLAS from two rows up
+        import torch_ext.hops.decode_linear as op
+
+        rows, op.MAX_ROWS = op.MAX_ROWS, 1
+        try:
+            yield
+        finally:
+            op.MAX_ROWS = rows
+        return
+    if not name.startswith("ext-row-"):
         yield
         return
     import torch_ext.hops.decode_linear as op
 
-    rows, config = op.MAX_ROWS, op.config
-    path = "dot" if name.startswith("ext-rows8") else "row"  # ext-row-n<BLOCK_N>-p<PRE_K>-k<BLOCK_K>-w<warps>
+    config = op.config
+    path = "row"  # ext-row-n<BLOCK_N>-p<PRE_K>-k<BLOCK_K>-w<warps>
     overrides = {}
     for part in name.split("-")[2:]:
         key = {"p": "PRE_K", "n": "BLOCK_N", "w": "num_warps", "k": "BLOCK_K"}[part[0]]
@@ -171,11 +178,11 @@ def column_experiment(name: str):
             cfg["PRE_K"] = max(cfg["BLOCK_K"], min(cfg["PRE_K"], 1 << (k.bit_length() - 1)))
         return cfg
 
-    op.MAX_ROWS, op.config = (8 if path == "dot" else rows), patched
+    op.config = patched
     try:
         yield
     finally:
-        op.MAX_ROWS, op.config = rows, config
+        op.config = config
 
 
 def _one_split_attention():
@@ -237,10 +244,10 @@ def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
     columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-nopdl", "ext-plain", "ext-pdl",
                               "ext-combo", "ext-nocombo", "ext-nofuse", "ext-nocg", "ext-nocg-nofuse",
-                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "ext-uncaptured", "ext-uncaptured-forced", "inductor", "ext-rows8", "ext-rows8-n16", "ext-attn1", "ext-lt",
+                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "ext-uncaptured", "ext-uncaptured-forced", "inductor", "ext-rows1", "ext-attn1", "ext-lt",
                               "ext-cublas-lt"]
                if c in args.columns]
-    columns += sorted(c for c in args.columns if c.startswith(("ext-rows8-p", "ext-row-")))
+    columns += sorted(c for c in args.columns if c.startswith("ext-row-"))
     columns += ["autotune", "ext-autotune"] if args.autotune else []
     fns = {}
     for name in columns:
@@ -345,7 +352,7 @@ def main() -> int:
     parser.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention: 16 heads share these")
     parser.add_argument("--context", type=int, default=None, help="cache length (default 256)")
     parser.add_argument("--columns", default="eager,ro,ro-freeze,ext,ext-plain",
-                        help="any of eager,ro,ro-freeze,ext,ext-cublas,ext-nopdl,ext-plain,ext-pdl,ext-combo,ext-nocombo,ext-nofuse,ext-nocg,ext-nocg-nofuse,ext-rows8,ext-rows8-n16; ro is always run (x ro); --autotune adds "
+                        help="any of eager,ro,ro-freeze,ext,ext-cublas,ext-nopdl,ext-plain,ext-pdl,ext-combo,ext-nocombo,ext-nofuse,ext-nocg,ext-nocg-nofuse,ext-rows1; ro is always run (x ro); --autotune adds "
                              "autotune and ext-autotune")
     parser.add_argument("--decode-linear-rows", type=int, default=None,
                         help="let torch_ext's decode_linear take up to this many rows (default: its MAX_ROWS)")

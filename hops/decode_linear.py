@@ -3,7 +3,7 @@ memory bandwidth.
 
     decode_linear(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None)
         -> F.linear(prologue(x), weight, bias) (+ residual)
-        x: (..., K) with at most MAX_ROWS rows in all; weight (N, K); bias None or (N,).
+        x: (..., K); weight (N, K); bias None or (N,).
         prefetch: the weight is written by no kernel of the graph the call runs in, and a kernel of
         that graph runs before it (the rewrite checks both): the kernel may then load its first
         weight columns before the kernel before it has finished (programmatic dependent launch).
@@ -21,8 +21,10 @@ H200, this kernel at 1.38x, and 1.26x when it loads its weights before the previ
 (bench/pdl_gemv.py, bench/results/pdl_gemv_*). The rewrite that puts the op in place of linear is
 torch_ext/backend/rewrite/decode_linear.py.
 
-CUDA runs the Triton kernel where it takes the shapes (a contiguous weight, K a multiple of 64, a
-float dtype shared by x, weight and bias); everything else runs F.linear.
+CUDA runs, at one row, the Triton kernel where it takes the shapes (a contiguous weight, K a multiple of
+64, a float dtype shared by x, weight and bias); at 2..MAX_ROWS rows of float16 / bfloat16, the CUDA
+path of hops/decode_linear_mma.py (tensor cores, the same fused parts) where it takes them; everything
+else runs F.linear.
 """
 from __future__ import annotations
 
@@ -34,14 +36,15 @@ from torch_ext.hops.fused_add_rms_norm import has_triton
 from torch_ext.hops.launch_policy import runs_reference
 
 __all__ = ["KERNEL_MAX_ROWS", "MAX_ROWS", "decode_linear", "decode_linear_reference", "decode_linear_triton",
-           "kernel_takes", "prologue_reference"]
+           "kernel_takes", "prologue_reference", "serves"]
 
-# Rows (batch x tokens) the rewrite gives the kernel; more run F.linear. H100, a chain of Llama projections
-# (bench/decode_linear_op.py): one row 0.83x cuBLAS's time, two 1.02x, four 1.30x, eight 1.35x; in HF
-# Llama with Inductor's PDL around it, the tensor-core path at 4 and 8 rows is 2% slower than cuBLAS
-# (bench/results/inference_floor_rows8_pdl_h100_torch2.11.log).
-MAX_ROWS = 1
-KERNEL_MAX_ROWS = 16  # what the kernel serves (its "dot" path pads rows to 16); MAX_ROWS is the rewrite's choice
+# Rows (batch x tokens) the op runs a kernel of its own for; more run F.linear. One row: the Triton kernel
+# (hops/decode_linear_kernels.py), any float dtype. 2..MAX_ROWS rows, 16-bit: the CUDA path
+# (hops/decode_linear_mma.py). H100, a chain of Llama projections (bench/decode_linear_op.py): one row
+# 0.83x cuBLAS's time; the CUDA path 0.92x at 2 rows, 0.95x at 8, 1.04x at 16, 1.28x at 32. Triton's
+# multi-row paths ("rows", "dot": bench only) ran 2 rows at 1.02x, 4 at 1.30x, 8 at 1.35x.
+MAX_ROWS = 8
+KERNEL_MAX_ROWS = 16  # what the Triton kernel serves (its "dot" path pads rows to 16)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -60,8 +63,17 @@ def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=No
 
 @decode_linear.register_kernel("cuda")
 def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None):
-    if runs_reference("decode_linear") or not (has_triton() and kernel_takes(x, weight, bias, norm_weight, up,
-                                                                               residual)):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if runs_reference("decode_linear") or not 0 < rows <= MAX_ROWS:
+        return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual)
+    if rows > 1:  # the CUDA path (Triton's multi-row paths lose to cuBLAS: the module docstring)
+        from torch_ext.hops.decode_linear_mma import decode_linear_mma, mma_takes
+
+        if mma_takes(x, weight, bias, norm_weight, up, residual):
+            return decode_linear_mma(x, weight, bias, prefetch, norm_weight=norm_weight, eps=eps, up=up,
+                                     residual=residual)
+        return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual)
+    if not (has_triton() and kernel_takes(x, weight, bias, norm_weight, up, residual)):
         return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual)
     from torch_ext.hops.pdl_kernels import has_pdl
 
@@ -85,9 +97,19 @@ def prologue_reference(x, norm_weight=None, eps: float = 0.0, up=None):
     return x
 
 
+def serves(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the op runs a kernel of its own for this many rows of this dtype on this device (the
+    rewrite puts it in only there): one row of a float dtype, or 2..MAX_ROWS rows of a 16-bit float on
+    a GPU with mma.sync (compute capability 8.0+; other devices run the reference, tests use them)."""
+    if rows == 1:
+        return dtype in _DTYPES
+    return (1 < rows <= MAX_ROWS and dtype in (torch.float16, torch.bfloat16)
+            and (device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)))
+
+
 def kernel_takes(x, weight, bias, norm_weight=None, up=None, residual=None) -> bool:
-    """Shapes and layouts the kernel serves (the op falls back to the reference on the rest): the norm
-    and gate prologues on one row only."""
+    """Shapes and layouts the Triton kernel serves (the op falls back to the reference on the rest): the
+    norm and gate prologues on one row only."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     n = weight.shape[0] if weight.dim() == 2 else -1

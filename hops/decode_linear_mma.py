@@ -63,6 +63,31 @@ __device__ __forceinline__ u16 from_float(float f) {
   asm("cvt.rn.DTYPE.f32 %0, %1;" : "=h"(v) : "f"(f));
   return v;
 }
+// x's prologue on a pair of 16-bit values, rounding where eager rounds (hops/decode_linear.py:
+// prologue_reference): RMSNorm (times inv_rms, round, times the norm weight, round), then silu(x) * up.
+__device__ __forceinline__ u16 prologue(u16 v, u16 g, u16 up, float inv_rms) {
+#if NORM
+  v = from_float(to_float(v) * inv_rms);
+  v = from_float(to_float(g) * to_float(v));
+#endif
+#if GATED
+  const float h = to_float(v);
+  v = from_float(h / (1.f + __expf(-h)));
+  v = from_float(to_float(v) * to_float(up));
+#endif
+  return v;
+}
+__device__ __forceinline__ u32 prologue_pair(u32 v, u32 g, u32 up, float inv_rms) {
+  return (u32)prologue((u16)(v & 0xffff), (u16)(g & 0xffff), (u16)(up & 0xffff), inv_rms)
+         | ((u32)prologue((u16)(v >> 16), (u16)(g >> 16), (u16)(up >> 16), inv_rms) << 16);
+}
+__device__ __forceinline__ void prologue_x4(u32x4& v, const u32x4& g, const u32x4& up, float inv_rms) {
+  v.x = prologue_pair(v.x, g.x, up.x, inv_rms);
+  v.y = prologue_pair(v.y, g.y, up.y, inv_rms);
+  v.z = prologue_pair(v.z, g.z, up.z, inv_rms);
+  v.w = prologue_pair(v.w, g.w, up.w, inv_rms);
+}
+
 __device__ __forceinline__ u32 pair(const u32x4& a, const u32x4& b, int i) {  // 32-bit word i of a:b
   return i == 0 ? a.x : i == 1 ? a.y : i == 2 ? a.z : i == 3 ? a.w : i == 4 ? b.x : i == 5 ? b.y : i == 6 ? b.z : b.w;
 }
@@ -79,18 +104,40 @@ __device__ __forceinline__ void load_chunk(u32x4 (&w)[MT][2][2], const u16* cons
         w[m][r][h] = chunk < chunks ? load_weight(rows[m][r] + chunk * 64 + h * 8) : u32x4{0, 0, 0, 0};
 }
 
+struct Prologue {
+  const u16* norm_weight;
+  const u16* up;
+  int up_stride;  // elements between up's rows
+  float inv_rms[NT];  // of this lane's rows 8j + g
+};
+
 __device__ __forceinline__ void multiply_chunk(float (&acc)[NT][MT][4], const u32x4 (&w)[MT][2][2],
-                                               const u16* x, int chunk, int chunks, int M, int K, int g,
-                                               int t) {
+                                               const u16* x, int x_stride, const Prologue& pro, int chunk,
+                                               int chunks, int M, int g, int t) {
   if (chunk >= chunks) return;
+  const int col = chunk * 64 + 16 * t;
+  u32x4 g0 = {0, 0, 0, 0}, g1 = {0, 0, 0, 0};
+#if NORM
+  g0 = load_x(pro.norm_weight + col);
+  g1 = load_x(pro.norm_weight + col + 8);
+#endif
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     const int row = 8 * j + g;
     u32x4 x0 = {0, 0, 0, 0}, x1 = {0, 0, 0, 0};
     if (row < M) {
-      const u16* p = x + (long long)row * K + chunk * 64 + 16 * t;
+      const u16* p = x + (long long)row * x_stride + col;
       x0 = load_x(p);
       x1 = load_x(p + 8);
+#if NORM || GATED
+      u32x4 up0 = {0, 0, 0, 0}, up1 = {0, 0, 0, 0};
+#if GATED
+      up0 = load_x(pro.up + (long long)row * pro.up_stride + col);
+      up1 = load_x(pro.up + (long long)row * pro.up_stride + col + 8);
+#endif
+      prologue_x4(x0, g0, up0, pro.inv_rms[j]);
+      prologue_x4(x1, g1, up1, pro.inv_rms[j]);
+#endif
     }
 #pragma unroll
     for (int s = 0; s < 4; ++s)
@@ -104,7 +151,8 @@ __device__ __forceinline__ void multiply_chunk(float (&acc)[NT][MT][4], const u3
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u16* __restrict__ bias,
-                  const u16* __restrict__ residual, u16* __restrict__ y, int M, int N, int K, int pdl) {
+                  const u16* __restrict__ residual, u16* __restrict__ y, const u16* __restrict__ norm_weight,
+                  const u16* __restrict__ up, float eps, int M, int N, int K, int x_stride, int up_stride, int pdl) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int f0 = blockIdx.x * 16 * MT;
@@ -126,16 +174,47 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
   u32x4 cur[U][MT][2][2];
 #pragma unroll
   for (int u = 0; u < U; ++u) load_chunk(cur[u], rows, warp + u * WARPS, chunks);
+#if __CUDA_ARCH__ >= 900
   if (pdl) {  // the weights are in flight; x and y belong to the kernels before until they finish
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;");
   }
+#endif
+  Prologue pro;
+  pro.norm_weight = norm_weight;
+  pro.up = up;
+  pro.up_stride = up_stride;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) pro.inv_rms[j] = 1.f;
+#if NORM
+  {  // each row's mean square, a warp a row (x is a few KB, in L2)
+    __shared__ float inv_rms[NT * 8];
+    for (int row = warp; row < M; row += WARPS) {
+      float sum = 0.f;
+      for (int c = lane * 8; c < K; c += 256) {
+        const u32x4 v = load_x(x + (long long)row * x_stride + c);
+        const u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float lo = to_float((u16)(words[i] & 0xffff)), hi = to_float((u16)(words[i] >> 16));
+          sum += lo * lo + hi * hi;
+        }
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+      if (lane == 0) inv_rms[row] = rsqrtf(sum / K + eps);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < NT; ++j) pro.inv_rms[j] = 8 * j + g < M ? inv_rms[8 * j + g] : 1.f;
+  }
+#endif
   for (int c = warp; c < chunks; c += U * WARPS) {
     u32x4 next[U][MT][2][2];
 #pragma unroll
     for (int u = 0; u < U; ++u) load_chunk(next[u], rows, c + (U + u) * WARPS, chunks);
 #pragma unroll
-    for (int u = 0; u < U; ++u) multiply_chunk(acc, cur[u], x, c + u * WARPS, chunks, M, K, g, t);
+    for (int u = 0; u < U; ++u) multiply_chunk(acc, cur[u], x, x_stride, pro, c + u * WARPS, chunks, M, g, t);
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -171,17 +250,29 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
 }
 """
 
-# Launch config per row count: (features a block / 16, warps, chunks in flight per warp).
-_CONFIG = {1: (1, 8, 2), 2: (1, 8, 2), 3: (1, 8, 2), 4: (1, 8, 2)}
+# (features a block / 16, warps, chunks in flight per warp). H100, 8 rows, a chain of 16 of one Llama
+# projection (bench/decode_linear_op.py --shapes): 1 x 16 x 1 ran o and down at 0.78x / 0.90x cuBLAS,
+# gate_up 0.99x; qkv 1.03x (1 x 4 x 4: 0.94x). The whole chain 0.95x (1 x 8 x 2: 0.98x).
+DEFAULT_CONFIG = (1, 16, 1)
 
 
-def mma_takes(x: torch.Tensor, weight: torch.Tensor, bias, residual) -> bool:
-    """The shapes this path serves (decode_linear's kernel_takes has checked the rest): a CUDA device of
-    compute capability 8.0+ (mma.sync bf16), 16-bit x, 2..MMA_MAX_ROWS rows, addresses 16-byte aligned."""
+def mma_takes(x: torch.Tensor, weight: torch.Tensor, bias=None, norm_weight=None, up=None, residual=None) -> bool:
+    """The tensors this path serves: CUDA of compute capability 8.0+ (mma.sync on 16-bit floats), x of
+    1..MMA_MAX_ROWS rows, K a multiple of 64, every operand x's dtype and shape, weight and norm weight
+    contiguous and 16-byte aligned (never copied per call), bias and residual contiguous; NVRTC present.
+    x and up may be row-strided views (_rows)."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
+    n = weight.shape[0] if weight.dim() == 2 else -1
+
+    def plain(t, shape, aligned=False) -> bool:
+        return t is None or (t.dtype == x.dtype and t.device == x.device and tuple(t.shape) == tuple(shape)
+                             and t.is_contiguous() and (not aligned or t.data_ptr() % 16 == 0))
+
     return (x.is_cuda and x.dtype in _DTYPES and 1 <= rows <= MMA_MAX_ROWS and k % 64 == 0
-            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and plain(weight, (n, k), aligned=True) and plain(bias, (n,)) and plain(norm_weight, (k,), aligned=True)
+            and (up is None or up.dtype == x.dtype and up.shape == x.shape and up.device == x.device)
+            and plain(residual, (*x.shape[:-1], n))
             and torch.cuda.get_device_capability(x.device) >= (8, 0) and _compiler_available())
 
 
@@ -192,33 +283,46 @@ def _compiler_available() -> bool:
     return compat.cuda_kernel_compiler() is not None
 
 
-def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, residual=None,
-                      config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) (+ residual) for x of at most MMA_MAX_ROWS rows; config (features a
-    block / 16, warps, chunks in flight per warp) replaces the default (bench/decode_linear_op.py)."""
+def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *, norm_weight=None, eps: float = 0.0,
+                      up=None, residual=None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """decode_linear (hops/decode_linear.py: the prologue, F.linear, the residual add) for the tensors
+    mma_takes accepts; config (features a block / 16, warps, chunks in flight per warp) replaces the
+    default (bench/decode_linear_op.py)."""
     n, k = weight.shape
-    x2 = x.reshape(-1, k).contiguous()
+    x2, up2 = _rows(x, k), (_rows(up, k) if up is not None else None)
     rows = x2.shape[0]
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    n_tiles = (rows + 7) // 8
-    mt, warps, unroll = config or _CONFIG[n_tiles]
-    res2 = residual.reshape(-1, n).contiguous() if residual is not None else None
+    mt, warps, unroll = config or DEFAULT_CONFIG
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    func = _kernel(index, _DTYPES[x.dtype], mt, n_tiles, warps, unroll)
-    args = [ctypes.c_void_p(x2.data_ptr()), ctypes.c_void_p(weight.data_ptr()),
-            ctypes.c_void_p(bias.data_ptr() if bias is not None else 0),
-            ctypes.c_void_p(res2.data_ptr() if res2 is not None else 0), ctypes.c_void_p(y.data_ptr()),
-            ctypes.c_int(rows), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(int(pdl))]
-    _launch(func, ((n + 16 * mt - 1) // (16 * mt),), (warps * 32,), args, pdl, index)
+    func = _kernel(index, _DTYPES[x.dtype], mt, (rows + 7) // 8, warps, unroll, norm_weight is not None,
+                   up is not None)
+    pdl = pdl and torch.cuda.get_device_capability(x.device) >= (9, 0)  # griddepcontrol: Hopper and newer
+
+    def ptr(t):
+        return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
+
+    args = [ptr(x2), ptr(weight), ptr(bias), ptr(residual), ptr(y), ptr(norm_weight), ptr(up2),
+            ctypes.c_float(eps), ctypes.c_int(rows), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(x2.stride(0)),
+            ctypes.c_int(up2.stride(0) if up2 is not None else 0), ctypes.c_int(int(pdl))]
+    _launch(func, (n + 16 * mt - 1) // (16 * mt), warps * 32, args, pdl, index)
     return y.view(*x.shape[:-1], n)
 
 
+def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
+    """t as (rows, k) rows the kernel loads 16 bytes at a time: contiguous in k, each row 16-byte aligned
+    (a slice of a merged projection's output, gate or up, is, with its row stride); else a copy."""
+    t2 = t.reshape(-1, k)
+    if t2.stride(-1) == 1 and t2.data_ptr() % 16 == 0 and (t2.shape[0] == 1 or t2.stride(0) % 8 == 0):
+        return t2
+    return t2.contiguous()
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll: int):
+def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll: int, norm: bool, gated: bool):
     from torch_ext import compat
 
-    source = (f"#define MT {mt}\n#define NT {nt}\n#define WARPS {warps}\n#define U {unroll}\n"
-              + _SOURCE.replace("DTYPE", dtype))
+    defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=int(norm), GATED=int(gated))
+    source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.replace("DTYPE", dtype)
     with torch.cuda.device(device_index):
         return compat.cuda_kernel_compiler()(source, "decode_linear_mma").func
 
@@ -242,12 +346,13 @@ def _driver():
     return lib
 
 
-def _launch(func, grid: tuple, block: tuple, args: list, pdl: bool, device_index: int) -> None:
+def _launch(func, blocks: int, threads: int, args: list, pdl: bool, device_index: int) -> None:
+    """cuLaunchKernelEx on the device's current stream, with the PDL attribute where pdl (a capture
+    records it as a programmatic edge)."""
     from torch_ext import compat
 
     attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-    cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(*grid, *[1] * (3 - len(grid))),
-                        block=(ctypes.c_uint * 3)(*block, *[1] * (3 - len(block))), shared=0,
+    cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(blocks, 1, 1), block=(ctypes.c_uint * 3)(threads, 1, 1), shared=0,
                         stream=ctypes.c_void_p(compat.current_raw_stream(device_index)),
                         attrs=ctypes.pointer(attr) if pdl else None, num_attrs=1 if pdl else 0)
     params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])

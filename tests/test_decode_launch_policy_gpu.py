@@ -16,12 +16,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _count_kernel_launches(monkeypatch) -> collections.Counter:
-    """Counts of the ops' Triton launches (the module globals their CUDA kernels call), by op."""
+    """Counts of the ops' kernel launches (the module globals their CUDA kernels call), by op."""
     import torch_ext.hops.decode_attention as attention
     import torch_ext.hops.decode_linear as linear
+    import torch_ext.hops.decode_linear_mma as linear_mma
 
     launches = collections.Counter()
-    for module, name in ((attention, "decode_attention_triton"), (linear, "decode_linear_triton")):
+    for module, name in ((attention, "decode_attention_triton"), (linear, "decode_linear_triton"),
+                         (linear_mma, "decode_linear_mma")):
         def counted(*args, _run=getattr(module, name), _name=name, **kwargs):
             launches[_name] += 1
             return _run(*args, **kwargs)
@@ -32,23 +34,21 @@ def _count_kernel_launches(monkeypatch) -> collections.Counter:
 @pytest.mark.parametrize("forced", [None, True])
 def test_uncaptured_batches_run_the_reference_unless_the_user_turned_the_ops_on(monkeypatch, forced):
     import torch_ext
-    import torch_ext.hops.decode_linear as linear
     from torch_ext.backend import CompileConfig
 
-    monkeypatch.setattr(linear, "MAX_ROWS", 4)  # batch 3 runs the linear op too
     torch._dynamo.reset()
-    model = hf.build("llama").cuda().eval()
+    model = hf.build("llama").to(device="cuda", dtype=torch.bfloat16).eval()  # batch 3: the linear's CUDA path
     config = CompileConfig(cache_dir=None, cudagraph_mode="full", cudagraph_capture_sizes=(1,), progress_bar=False,
                            compile_sizes=(3,), decode_attention=forced, decode_linear=forced)
     compiled = torch_ext.compile(model, config, dynamic=True)
     launches = _count_kernel_launches(monkeypatch)
-    hf.decode_steps_match(model, compiled, 1, steps=3)  # captured: warm-up, capture, replays
+    hf.decode_steps_match(model, compiled, 1, steps=3, tol=3e-2)  # captured: warm-up, capture, replays
     assert launches["decode_attention_triton"] > 0 and launches["decode_linear_triton"] > 0
     launches.clear()
     cudagraph_stats.reset()
-    hf.decode_steps_match(model, compiled, 3, steps=3)  # above the largest capture size: no graph
+    hf.decode_steps_match(model, compiled, 3, steps=3, tol=3e-2)  # above the largest capture size: no graph
     assert cudagraph_stats.uncaptured_runs >= 3 and cudagraph_stats.replays == 0
     if forced:
-        assert launches["decode_attention_triton"] > 0 and launches["decode_linear_triton"] > 0
+        assert launches["decode_attention_triton"] > 0 and launches["decode_linear_mma"] > 0
     else:
         assert launches == {}, launches

@@ -177,10 +177,26 @@ def test_a_weight_an_embedding_may_write_is_not_loaded_early(monkeypatch, max_no
 
 @pytest.mark.parametrize("shape,dynamic", [((2, 64), False), ((3, 5, 64), False), ((2, 64), True)])
 def test_rewrite_leaves_many_rows_and_symbolic_rows_alone(monkeypatch, shape, dynamic):
-    """More than MAX_ROWS rows (cuBLAS wins), or a row count the graph does not fix."""
+    """Several float32 rows (cuBLAS beats our kernels there), or a row count the graph does not fix."""
     monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
     gm, _ = _graph(torch.nn.Sequential(torch.nn.Linear(64, 32)).eval(), torch.randn(*shape), dynamic=dynamic)
     assert rewrite.use_decode_linear(gm) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rewrite_takes_up_to_max_rows_of_a_16_bit_input(monkeypatch, dtype):
+    """The op's CUDA path serves 2..MAX_ROWS rows of a 16-bit float; one more row is F.linear's."""
+    from torch_ext.hops import decode_linear as op
+
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32)).to(dtype).eval()
+    for rows, calls in ((2, 1), (op.MAX_ROWS, 1), (op.MAX_ROWS + 1, 0)):
+        gm, inputs = _graph(model, torch.randn(rows, 64, dtype=dtype))
+        with torch.no_grad():
+            expected = gm(*inputs)
+        assert rewrite.use_decode_linear(gm) == calls
+        with torch.no_grad():
+            torch.testing.assert_close(gm(*inputs), expected, rtol=0, atol=0)
 
 
 def test_rewrite_leaves_cpu_graphs_alone():

@@ -1,5 +1,5 @@
-"""rewrite/decode_linear_fusion.py: the RMSNorm and gate before a one-row projection and the residual
-add after it, folded into its torch_ext::decode_linear call; everything that differs from those forms
+"""rewrite/decode_linear_fusion.py: the RMSNorm and gate before a projection of a few rows and the
+residual add after it, folded into its torch_ext::decode_linear call; everything that differs from those forms
 left alone. The rewrite fires on CUDA inputs only; here it is let onto the CPU, where the op runs its
 reference (eager's formulation), so a fused graph must give eager's results exactly."""
 from __future__ import annotations
@@ -178,18 +178,24 @@ def test_nothing_is_fused_across_an_in_place_write(monkeypatch, form):
         torch.testing.assert_close(gm(*[t.clone() for t in inputs]), expected, rtol=0, atol=0)
 
 
-def test_calls_of_several_rows_keep_their_norms_and_gate(monkeypatch):
-    """The kernel's norm and gate prologues run on its one-row path: where the rewrite lets several rows
-    in (its MAX_ROWS raised), those calls take only the residual add, and the kernel refuses a prologue
-    on several rows (the op then runs the reference) instead of failing at run time."""
+def test_several_rows_of_a_16_bit_model_fuse_as_one_row_does_and_float32_rows_stay_linear(monkeypatch):
+    """Up to MAX_ROWS rows of float16 / bfloat16 run the op's CUDA path (hops/decode_linear_mma.py), which
+    has the norm, gate and residual parts too: the same five fusions as at one row, eager's results.
+    Several float32 rows are left to F.linear (cuBLAS beats every kernel of ours there). The Triton
+    kernel itself still takes the prologues on one row only; the op routes several rows elsewhere."""
     from torch_ext.hops import decode_linear as op
 
     monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
-    monkeypatch.setattr(op, "MAX_ROWS", 8)
-    gm, fused, out, expected = _rewritten(Layer().eval(), torch.randn(4, 1, DIM))
-    assert fused == 2  # the two residual adds
-    assert [_fused_parts(c) for c in _calls(gm)] == [set(), {"residual"}, set(), set(), {"residual"}]
+    gm, fused, out, expected = _rewritten(Layer().to(torch.bfloat16).eval(),
+                                          torch.randn(4, 1, DIM, dtype=torch.bfloat16))
+    assert fused == 5
+    assert [_fused_parts(c) for c in _calls(gm)] == [{"norm"}, {"residual"}, {"norm"}, {"norm"}, {"up", "residual"}]
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    gm, fused, out, expected = _rewritten(Layer().eval(), torch.randn(4, 1, DIM))
+    assert fused == 0 and not _calls(gm)
+    gm, fused, _, _ = _rewritten(Layer().to(torch.bfloat16).eval(),
+                                 torch.randn(op.MAX_ROWS + 1, 1, DIM, dtype=torch.bfloat16))
+    assert fused == 0 and not _calls(gm)
     x, w, g = torch.randn(4, DIM), torch.randn(DIM, DIM), torch.randn(DIM)
     assert op.kernel_takes(x, w, None) and op.kernel_takes(x, w, None, residual=torch.randn(4, DIM))
     assert not op.kernel_takes(x, w, None, norm_weight=g) and not op.kernel_takes(x, w, None, up=x)

@@ -6,6 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import hf_models as hf
+from torch_ext.backend import counters
+from torch_ext.hops.decode_linear import prologue_reference
 from torch_ext.hops.decode_linear_mma import decode_linear_mma, mma_takes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -37,7 +40,7 @@ def _error(out, expected) -> float:
                                                (64, 77, True, True), (320, 33, False, True)])
 def test_kernel_equals_a_float64_reference(pdl, dtype, rows, k, n, bias, residual):
     x, w, b, r = _inputs(rows, k, n, dtype, bias, residual, rows * k + n)
-    assert mma_takes(x, w, b, r)
+    assert mma_takes(x, w, b, residual=r)
     out = decode_linear_mma(x, w, b, pdl, residual=r)
     assert out.shape == (rows, n) and out.dtype == dtype and not out.isnan().any()
     assert _error(out, _expected(x, w, b, r)) < 1e-2
@@ -53,6 +56,27 @@ def test_every_config_shape_gives_the_same_answer(config, rows):
     assert _error(out, _expected(x, w, b, r)) < 1e-2
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [2, 8])
+@pytest.mark.parametrize("parts", [("norm",), ("up",), ("norm", "up", "residual")])
+def test_fused_parts_equal_the_eager_formulation(pdl, dtype, rows, parts):
+    """The norm / gate / residual add inside the kernel: eager's prologue (its roundings), the projection
+    in float64, rounded, plus the residual. up is a row-strided view, as a merged gate/up output's half is."""
+    k, n = 2048, 5632
+    g = torch.Generator(device="cuda").manual_seed(rows + len(parts))
+    x = torch.randn(rows, 1, k, device="cuda", dtype=dtype, generator=g) * 3
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5
+    gate_up = torch.randn(rows, 1, 2 * k, device="cuda", dtype=dtype, generator=g)
+    args = dict(norm_weight=torch.rand(k, device="cuda", dtype=dtype, generator=g) + 0.5 if "norm" in parts else None,
+                eps=1e-6, up=gate_up[..., k:] if "up" in parts else None,
+                residual=torch.randn(rows, 1, n, device="cuda", dtype=dtype, generator=g) if "residual" in parts else None)
+    assert mma_takes(x, w, None, args["norm_weight"], args["up"], args["residual"])
+    out = decode_linear_mma(x, w, None, pdl, **args)
+    xp = prologue_reference(x, args["norm_weight"], args["eps"], args["up"])
+    assert _error(out, _expected(xp, w, None, args["residual"])) < 1e-2
+
+
 def test_leading_dims_and_a_noncontiguous_input():
     x, w, b, _ = _inputs(12, 1024, 512, torch.bfloat16, True, False, 3)
     x3 = x.view(3, 4, 1024).transpose(0, 1)  # (4, 3, 1024), not contiguous
@@ -63,11 +87,16 @@ def test_leading_dims_and_a_noncontiguous_input():
 
 def test_what_the_path_declines():
     x, w, _, _ = _inputs(8, 2048, 256, torch.bfloat16, False, False, 4)
-    assert not mma_takes(x.float(), w.float(), None, None)  # float32: the Triton paths
-    assert not mma_takes(torch.cat([x] * 5), w, None, None)  # 40 rows: cuBLAS
-    assert not mma_takes(x[:, :2000], w[:, :2000], None, None)  # K not a multiple of 64
-    odd = torch.empty(8 * 2048 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(8, 2048)
-    assert not mma_takes(odd, w, None, None)  # x not 16-byte aligned
+    assert mma_takes(x, w)
+    assert not mma_takes(x.float(), w.float())  # float32: cuBLAS
+    assert not mma_takes(torch.cat([x] * 5), w)  # 40 rows: cuBLAS
+    assert not mma_takes(x[:, :2000].contiguous(), w[:, :2000].contiguous())  # K not a multiple of 64
+    assert not mma_takes(x, w.t().contiguous().t())  # a weight it would have to copy every call
+    odd = torch.empty(256 * 2048 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(256, 2048)
+    assert not mma_takes(x, odd)  # a weight not 16-byte aligned
+    unaligned_x = torch.empty(8 * 2048 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(8, 2048).copy_(x)
+    assert mma_takes(unaligned_x, w)  # x is copied to an aligned buffer instead
+    assert _error(decode_linear_mma(unaligned_x, w, None, False), _expected(x, w, None, None)) < 1e-2
 
 
 def test_a_chain_with_dependent_launch_in_a_cuda_graph_reads_each_input_complete():
@@ -97,3 +126,22 @@ def test_a_chain_with_dependent_launch_in_a_cuda_graph_reads_each_input_complete
         graph.replay()
         ref = chain(lambda h, w: torch.nn.functional.linear(h, w.double()), x.double())
         assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("mode", ["full", "none"])
+def test_hf_llama_in_bfloat16_at_batch_4_runs_the_path_fused_and_matches_eager(monkeypatch, mode):
+    """A decode step of 4 sequences: every projection runs the CUDA path with the layer's norms, gate and
+    residual adds inside, logits equal eager's (bfloat16 tolerance), weights scaled in place at step 3
+    are read."""
+    import torch_ext.hops.decode_linear_mma as module
+
+    launches = []
+    run = module.decode_linear_mma
+    monkeypatch.setattr(module, "decode_linear_mma", lambda *a, **kw: launches.append(1) or run(*a, **kw))
+    counters.reset()
+    model = hf.cuda_decode_matches_eager(mode, batch=4, update_weights_at=3, dtype=torch.bfloat16, tol=3e-2,
+                                         decode_linear=True)
+    layers = model.config.num_hidden_layers
+    assert counters.decode_linear_calls == (4 * layers + 1) * counters.graphs_seen
+    assert counters.decode_linear_fusions == 5 * layers * counters.graphs_seen
+    assert launches

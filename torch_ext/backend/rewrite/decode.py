@@ -1,5 +1,5 @@
 """The decode rewrites in their order, each where CompileConfig.uses() says, counted: decode SDPA ->
-decode_attention, one-row linears -> decode_linear (after the merge: merged projections are linears of
+decode_attention, linears of a few rows -> decode_linear (after the merge: merged projections are linears of
 their own), then their norms, gates and residual adds folded in. Run on Dynamo's graph (backend.py)
 and again on a size variant's piece (per_size.py)."""
 from __future__ import annotations

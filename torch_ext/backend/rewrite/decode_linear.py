@@ -1,7 +1,8 @@
 """Linear calls of a few rows (a decode step's projections) -> torch_ext::decode_linear.
 
 A call is replaced in inference graphs where its example values say: a CUDA input of static shape
-with at most MAX_ROWS rows (batch x tokens), a plain 2-D weight (no subclass: a quantized weight or a
+with a row count (batch x tokens) and dtype the op serves (`serves`: one row, or up to MAX_ROWS of a
+16-bit float), a plain 2-D weight (no subclass: a quantized weight or a
 DTensor computes its own linear), input, weight, bias and output of one dtype (under autocast linear
 computes in another; the op is not on autocast's lists). Where the kernel cannot take the tensors
 it meets at run time (say a weight made non-contiguous later), the op runs F.linear.
@@ -91,7 +92,7 @@ def decode_call(node: fx.Node) -> dict | None:
         return None
     if not all(isinstance(s, int) for s in (*x.shape, *w.shape)):  # symbolic rows: any count may come
         return None
-    if not 0 < math.prod(x.shape[:-1]) <= op_module.MAX_ROWS or not all(t.dtype == x.dtype for t in tensors):
+    if not op_module.serves(math.prod(x.shape[:-1]), x.dtype, x.device) or not all(t.dtype == x.dtype for t in tensors):
         return None
     prefetch = (_read_only_input(w_node) and (b_node is None or _read_only_input(b_node))
                 and isinstance(x_node, fx.Node) and computed_in_graph(x_node))

@@ -1,4 +1,4 @@
-"""What a decode layer runs around its one-row projections, folded into torch_ext::decode_linear calls.
+"""What a decode layer runs around its projections of a few rows, folded into torch_ext::decode_linear calls.
 
 After rewrite/decode_linear.py a Llama-style layer (HF's RMSNorm, a gated MLP, residual adds) reads
 
@@ -29,6 +29,7 @@ import torch.fx as fx
 from torch_ext.backend.rewrite.decode_attention import example_value
 from torch_ext.backend.rewrite.decode_linear import computed_in_graph, op_name
 from torch_ext.backend.rewrite.writes import writes_between
+from torch_ext.hops import decode_linear as op_module
 
 log = logging.getLogger("torch_ext.backend")
 
@@ -168,15 +169,16 @@ def match_gate(x: fx.Node):
     return None
 
 
-def _one_row(node: fx.Node) -> bool:
+def _served_rows(node: fx.Node) -> bool:
+    """A value of a row count and dtype the op's kernels serve (with the prologues: every one they serve)."""
     value = _tensor(node)
-    return value is not None and value.dim() >= 1 and value.numel() == value.shape[-1]
+    return (value is not None and value.dim() >= 1 and value.shape[-1] > 0
+            and op_module.serves(value.numel() // value.shape[-1], value.dtype, value.device))
 
 
 def _only_read_as_input(node: fx.Node) -> bool:
-    """Every user of node is a plain one-row decode_linear call reading it as x (the kernel's norm and
-    gate prologues run on its one-row path)."""
-    return bool(node.users) and _one_row(node) and all(
+    """Every user of node is a plain decode_linear call reading it as x, of rows the kernels serve."""
+    return bool(node.users) and _served_rows(node) and all(
         _is_plain_call(u) and u.args[_X] is node and sum(a is node for a in u.all_input_nodes) == 1
         for u in node.users)
 

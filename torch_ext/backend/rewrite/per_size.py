@@ -6,7 +6,7 @@ dynamic batch dim, a linear's row count is a symbol and rewrite/decode_linear.py
 below) is compiled from real inputs, so its shapes are known: here the piece's example values are
 propagated again with those shapes, and the decode rewrites run on a copy of the piece. A batch-1
 decode step of a dynamic compile (HF generate, a server's batch dim) then gets the one-row kernel,
-as a static compile does. Pieces never change their inputs here, so the split graph is untouched.
+and batches up to decode_linear's MAX_ROWS its CUDA path, as a static compile does. Pieces never change their inputs here, so the split graph is untouched.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.rewrite.decode import decode_rewrites
+from torch_ext.backend.rewrite.decode_attention import example_value
 from torch_ext.backend.rewrite.merge_projections import LINEAR_TARGETS
 from torch_ext.hops import decode_linear as linear_op
 
@@ -33,8 +34,15 @@ def wants_size_variant(config: CompileConfig, size: int, gm: fx.GraphModule) -> 
     Sizes no call hits cost nothing."""
     if size in config.compile_sizes:
         return True
-    return (config.uses("decode_linear") and 0 < size <= linear_op.MAX_ROWS
-            and any(node.op == "call_function" and node.target in LINEAR_TARGETS for node in gm.graph.nodes))
+    return config.uses("decode_linear") and any(
+        node.op == "call_function" and node.target in LINEAR_TARGETS and _served(size, node) for node in gm.graph.nodes)
+
+
+def _served(size: int, linear: fx.Node) -> bool:
+    """Whether decode_linear would run a kernel for this linear at `size` rows (its dtype decides
+    above one row)."""
+    x = example_value(linear.args[0]) if linear.args else None
+    return isinstance(x, torch.Tensor) and linear_op.serves(size, x.dtype, x.device)
 
 
 def rewrite_for_size(gm: fx.GraphModule, example_inputs, config: CompileConfig) -> fx.GraphModule:
