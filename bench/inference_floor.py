@@ -40,6 +40,7 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
   inductor    torch.compile(model.forward) with Inductor's defaults (no CUDA graphs)
   ext-rows1   ext with decode_linear at one row only (cuBLAS and Inductor's norms from two rows up: the
               default before the op's CUDA path for 2-8 rows);
+  ext-prologue8  ext with the norms and gates folded into decode_linear up to 8 rows (the default: one row)
   ext-row-n8-p1024-k512-w4 (any numbers): the one-row path's features a program, weight columns loaded
               before the wait, columns a tile, warps (default 4 / up to 2048 / 512 / 4)
   ext-attn1   ext with decode attention in one split (no combine launch; each program walks a whole row)
@@ -132,7 +133,7 @@ def make(name: str, model, root: str, serving: bool = False):
 
 @contextlib.contextmanager
 def column_experiment(name: str):
-    """What an experimental column (the module docstring's ext-rows1, ext-row-*, ext-attn1, ext-lt,
+    """What an experimental column (the module docstring's ext-rows1, ext-prologue8, ext-row-*, ext-attn1, ext-lt,
     ext-cublas-lt) changes, while it compiles and captures its graphs: full CUDA graphs keep the
     launches they captured. ext-row-n<BLOCK_N>-p<PRE_K>-k<BLOCK_K>-w<warps> overrides the launch config
     of decode_linear's one-row path."""
@@ -147,14 +148,16 @@ def column_experiment(name: str):
         finally:
             torch.backends.cuda.preferred_blas_library(before)
         return
-    if name == "ext-rows1":  # decode_linear at one row only (before its CUDA path): cuBLAS from two rows up
+    if name in ("ext-rows1", "ext-prologue8"):
         import torch_ext.hops.decode_linear as op
 
-        rows, op.MAX_ROWS = op.MAX_ROWS, 1
+        field, value = {"ext-rows1": ("MAX_ROWS", 1), "ext-prologue8": ("PROLOGUE_MAX_ROWS", 8)}[name]
+        before = getattr(op, field)
+        setattr(op, field, value)
         try:
             yield
         finally:
-            op.MAX_ROWS = rows
+            setattr(op, field, before)
         return
     if not name.startswith("ext-row-"):
         yield
@@ -244,7 +247,7 @@ def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
     columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-nopdl", "ext-plain", "ext-pdl",
                               "ext-combo", "ext-nocombo", "ext-nofuse", "ext-nocg", "ext-nocg-nofuse",
-                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "ext-uncaptured", "ext-uncaptured-forced", "inductor", "ext-rows1", "ext-attn1", "ext-lt",
+                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "ext-uncaptured", "ext-uncaptured-forced", "inductor", "ext-rows1", "ext-prologue8", "ext-attn1", "ext-lt",
                               "ext-cublas-lt"]
                if c in args.columns]
     columns += sorted(c for c in args.columns if c.startswith("ext-row-"))

@@ -36,7 +36,7 @@ from torch_ext.hops.fused_add_rms_norm import has_triton
 from torch_ext.hops.launch_policy import runs_reference
 
 __all__ = ["KERNEL_MAX_ROWS", "MAX_ROWS", "decode_linear", "decode_linear_reference", "decode_linear_triton",
-           "kernel_takes", "prologue_reference", "serves"]
+           "kernel_takes", "prologue_reference", "serves", "serves_prologue"]
 
 # Rows (batch x tokens) the op runs a kernel of its own for; more run F.linear. One row: the Triton kernel
 # (hops/decode_linear_kernels.py), any float dtype. 2..MAX_ROWS rows, 16-bit: the CUDA path
@@ -44,6 +44,11 @@ __all__ = ["KERNEL_MAX_ROWS", "MAX_ROWS", "decode_linear", "decode_linear_refere
 # 0.83x cuBLAS's time; the CUDA path 0.92x at 2 rows, 0.95x at 8, 1.04x at 16, 1.28x at 32. Triton's
 # multi-row paths ("rows", "dot": bench only) ran 2 rows at 1.02x, 4 at 1.30x, 8 at 1.35x.
 MAX_ROWS = 8
+# Rows up to which the rewrite folds the norm and gate into the op (the residual add: every row count).
+# At 8 rows every block of the CUDA path redoes the prologue over all of x: HF Llama batch 8 on an H100
+# ran 1.298 ms with them fused against 1.179 with cuBLAS and Inductor's norms
+# (bench/results/inference_floor_mma_h100_torch2.11.log).
+PROLOGUE_MAX_ROWS = 1
 KERNEL_MAX_ROWS = 16  # what the Triton kernel serves (its "dot" path pads rows to 16)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -105,6 +110,11 @@ def serves(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
         return dtype in _DTYPES
     return (1 < rows <= MAX_ROWS and dtype in (torch.float16, torch.bfloat16)
             and (device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)))
+
+
+def serves_prologue(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the rewrite folds a norm or gate into the op's call at this many rows."""
+    return rows <= PROLOGUE_MAX_ROWS and serves(rows, dtype, device)
 
 
 def kernel_takes(x, weight, bias, norm_weight=None, up=None, residual=None) -> bool:

@@ -314,7 +314,7 @@ def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
     t2 = t.reshape(-1, k)
     if t2.stride(-1) == 1 and t2.data_ptr() % 16 == 0 and (t2.shape[0] == 1 or t2.stride(0) % 8 == 0):
         return t2
-    return t2.contiguous()
+    return t2.clone(memory_format=torch.contiguous_format)  # contiguous() keeps a contiguous misaligned view
 
 
 @functools.lru_cache(maxsize=None)

@@ -178,16 +178,21 @@ def test_nothing_is_fused_across_an_in_place_write(monkeypatch, form):
         torch.testing.assert_close(gm(*[t.clone() for t in inputs]), expected, rtol=0, atol=0)
 
 
-def test_several_rows_of_a_16_bit_model_fuse_as_one_row_does_and_float32_rows_stay_linear(monkeypatch):
-    """Up to MAX_ROWS rows of float16 / bfloat16 run the op's CUDA path (hops/decode_linear_mma.py), which
-    has the norm, gate and residual parts too: the same five fusions as at one row, eager's results.
-    Several float32 rows are left to F.linear (cuBLAS beats every kernel of ours there). The Triton
-    kernel itself still takes the prologues on one row only; the op routes several rows elsewhere."""
+def test_several_rows_of_a_16_bit_model_fold_their_residual_adds_and_float32_rows_stay_linear(monkeypatch):
+    """Up to MAX_ROWS rows of float16 / bfloat16 run the op's CUDA path (hops/decode_linear_mma.py): their
+    residual adds fold into it; the norm and gate only up to PROLOGUE_MAX_ROWS (raised: all five, as at
+    one row). Several float32 rows are left to F.linear (cuBLAS beats every kernel of ours there). The
+    Triton kernel itself takes the prologues on one row only; the op routes several rows elsewhere."""
     from torch_ext.hops import decode_linear as op
 
     monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
-    gm, fused, out, expected = _rewritten(Layer().to(torch.bfloat16).eval(),
-                                          torch.randn(4, 1, DIM, dtype=torch.bfloat16))
+    x = torch.randn(4, 1, DIM, dtype=torch.bfloat16)
+    gm, fused, out, expected = _rewritten(Layer().to(torch.bfloat16).eval(), x)
+    assert fused == 2
+    assert [_fused_parts(c) for c in _calls(gm)] == [set(), {"residual"}, set(), set(), {"residual"}]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    monkeypatch.setattr(op, "PROLOGUE_MAX_ROWS", 4)
+    gm, fused, out, expected = _rewritten(Layer().to(torch.bfloat16).eval(), x)
     assert fused == 5
     assert [_fused_parts(c) for c in _calls(gm)] == [{"norm"}, {"residual"}, {"norm"}, {"norm"}, {"up", "residual"}]
     torch.testing.assert_close(out, expected, rtol=0, atol=0)

@@ -1,4 +1,5 @@
-"""What a decode layer runs around its projections of a few rows, folded into torch_ext::decode_linear calls.
+"""What a decode layer runs around its projections of a few rows, folded into torch_ext::decode_linear calls
+(the norm and gate up to decode_linear's PROLOGUE_MAX_ROWS rows, the residual add at every row count).
 
 After rewrite/decode_linear.py a Llama-style layer (HF's RMSNorm, a gated MLP, residual adds) reads
 
@@ -169,16 +170,16 @@ def match_gate(x: fx.Node):
     return None
 
 
-def _served_rows(node: fx.Node) -> bool:
-    """A value of a row count and dtype the op's kernels serve (with the prologues: every one they serve)."""
+def _prologue_rows(node: fx.Node) -> bool:
+    """A value of a row count and dtype the op's kernels run the norm and gate prologues for."""
     value = _tensor(node)
     return (value is not None and value.dim() >= 1 and value.shape[-1] > 0
-            and op_module.serves(value.numel() // value.shape[-1], value.dtype, value.device))
+            and op_module.serves_prologue(value.numel() // value.shape[-1], value.dtype, value.device))
 
 
 def _only_read_as_input(node: fx.Node) -> bool:
-    """Every user of node is a plain decode_linear call reading it as x, of rows the kernels serve."""
-    return bool(node.users) and _served_rows(node) and all(
+    """Every user of node is a plain decode_linear call reading it as x, of rows the prologues serve."""
+    return bool(node.users) and _prologue_rows(node) and all(
         _is_plain_call(u) and u.args[_X] is node and sum(a is node for a in u.all_input_nodes) == 1
         for u in node.users)
 
