@@ -28,7 +28,8 @@ from table import print_table  # noqa: E402
 from torch_ext.hops.decode_linear import decode_linear_triton  # noqa: E402
 from torch_ext.hops.decode_linear_mma import decode_linear_mma  # noqa: E402
 
-SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632)}  # (out, in)
+SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
+          "lm_head": (32000, 2048)}  # (out, in); the default chain leaves lm_head out
 
 
 def main() -> int:

@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-__all__ = ["mma_takes", "decode_linear_mma", "MMA_MAX_ROWS"]
+__all__ = ["MMA_MAX_ROWS", "decode_linear_mma", "default_config", "mma_takes"]
 
 MMA_MAX_ROWS = 32
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -250,10 +250,15 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
 }
 """
 
-# (features a block / 16, warps, chunks in flight per warp). H100, 8 rows, a chain of 16 of one Llama
-# projection (bench/decode_linear_op.py --shapes): 1 x 16 x 1 ran o and down at 0.78x / 0.90x cuBLAS,
-# gate_up 0.99x; qkv 1.03x (1 x 4 x 4: 0.94x). The whole chain 0.95x (1 x 8 x 2: 0.98x).
-DEFAULT_CONFIG = (1, 16, 1)
+@functools.lru_cache(maxsize=None)
+def default_config(n: int, device_index: int) -> tuple[int, int, int]:
+    """(features a block / 16, warps, chunks in flight per warp). H100, 8 rows, a chain of 16 of one Llama
+    projection (bench/decode_linear_op.py --shapes, bench/results/decode_linear_mma_h100_torch2.11.log):
+    where the blocks fit the SMs once (o and down, N = 2048: 128 blocks), 16 warps with 2 chunks each
+    ran them at 0.71x / 0.80x cuBLAS; with more blocks (qkv 6144, gate_up 11264) 8 warps with 1 chunk,
+    three blocks an SM, at 0.91x / 0.96x."""
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return (1, 16, 2) if (n + 15) // 16 <= sms * 5 // 4 else (1, 8, 1)
 
 
 def mma_takes(x: torch.Tensor, weight: torch.Tensor, bias=None, norm_weight=None, up=None, residual=None) -> bool:
@@ -292,8 +297,8 @@ def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *,
     x2, up2 = _rows(x, k), (_rows(up, k) if up is not None else None)
     rows = x2.shape[0]
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    mt, warps, unroll = config or DEFAULT_CONFIG
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    mt, warps, unroll = config or default_config(n, index)
     func = _kernel(index, _DTYPES[x.dtype], mt, (rows + 7) // 8, warps, unroll, norm_weight is not None,
                    up is not None)
     pdl = pdl and torch.cuda.get_device_capability(x.device) >= (9, 0)  # griddepcontrol: Hopper and newer
