@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import warnings
 
 import torch
 
@@ -274,18 +275,26 @@ def mma_takes(x: torch.Tensor, weight: torch.Tensor, bias=None, norm_weight=None
         return t is None or (t.dtype == x.dtype and t.device == x.device and tuple(t.shape) == tuple(shape)
                              and t.is_contiguous() and (not aligned or t.data_ptr() % 16 == 0))
 
-    return (x.is_cuda and x.dtype in _DTYPES and 1 <= rows <= MMA_MAX_ROWS and k % 64 == 0
+    if not (x.is_cuda and x.dtype in _DTYPES and 1 <= rows <= MMA_MAX_ROWS and k % 64 == 0 and n > 0
             and plain(weight, (n, k), aligned=True) and plain(bias, (n,)) and plain(norm_weight, (k,), aligned=True)
             and (up is None or up.dtype == x.dtype and up.shape == x.shape and up.device == x.device)
-            and plain(residual, (*x.shape[:-1], n))
-            and torch.cuda.get_device_capability(x.device) >= (8, 0) and _compiler_available())
+            and plain(residual, (*x.shape[:-1], n))):
+        return False
+    index = _index(x.device)
+    if _capability(index) < (8, 0):
+        return False
+    mt, warps, unroll = default_config(n, index)
+    return _kernel(index, _DTYPES[x.dtype], mt, (rows + 7) // 8, warps, unroll, norm_weight is not None,
+                   up is not None) is not None
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=None)
-def _compiler_available() -> bool:
-    from torch_ext import compat
-
-    return compat.cuda_kernel_compiler() is not None
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *, norm_weight=None, eps: float = 0.0,
@@ -297,11 +306,13 @@ def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *,
     x2, up2 = _rows(x, k), (_rows(up, k) if up is not None else None)
     rows = x2.shape[0]
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    index = _index(x.device)
     mt, warps, unroll = config or default_config(n, index)
     func = _kernel(index, _DTYPES[x.dtype], mt, (rows + 7) // 8, warps, unroll, norm_weight is not None,
                    up is not None)
-    pdl = pdl and torch.cuda.get_device_capability(x.device) >= (9, 0)  # griddepcontrol: Hopper and newer
+    if func is None:
+        raise RuntimeError("decode_linear_mma: the kernel did not compile (the warning before says why)")
+    pdl = pdl and _capability(index) >= (9, 0)  # griddepcontrol: Hopper and newer
 
     def ptr(t):
         return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
@@ -324,12 +335,22 @@ def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll: int, norm: bool, gated: bool):
+    """The compiled kernel (a CUfunction) for this device and variant, or None where NVRTC is missing or
+    the compile fails: said once per variant, and the op runs its reference."""
     from torch_ext import compat
 
+    compile_kernel = compat.cuda_kernel_compiler()
+    if compile_kernel is None:
+        return None
     defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=int(norm), GATED=int(gated))
     source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.replace("DTYPE", dtype)
-    with torch.cuda.device(device_index):
-        return compat.cuda_kernel_compiler()(source, "decode_linear_mma").func
+    try:
+        with torch.cuda.device(device_index):
+            return compile_kernel(source, "decode_linear_mma").func
+    except Exception as e:  # NVRTC's or the driver's error: the reference serves these calls
+        warnings.warn(f"torch_ext: decode_linear's CUDA path did not compile for {defines} on device {device_index} "
+                      f"({type(e).__name__}: {str(e)[:500]}); those calls run F.linear", stacklevel=2)
+        return None
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte value union
@@ -361,6 +382,10 @@ def _launch(func, blocks: int, threads: int, args: list, pdl: bool, device_index
                         stream=ctypes.c_void_p(compat.current_raw_stream(device_index)),
                         attrs=ctypes.pointer(attr) if pdl else None, num_attrs=1 if pdl else 0)
     params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
-    result = _driver().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None)
+    if torch.cuda.current_device() == device_index:
+        result = _driver().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None)
+    else:  # the function belongs to the device's context
+        with torch.cuda.device(device_index):
+            result = _driver().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None)
     if result != 0:
         raise RuntimeError(f"decode_linear_mma: cuLaunchKernelEx failed with CUDA error {result}")

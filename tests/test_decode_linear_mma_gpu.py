@@ -148,3 +148,23 @@ def test_hf_llama_in_bfloat16_at_batch_4_runs_the_path_fused_and_matches_eager(m
     per_layer = 5 if prologue_rows >= 4 else 2  # two norms and the gate, two residual adds
     assert counters.decode_linear_fusions == per_layer * layers * counters.graphs_seen
     assert launches
+
+
+def test_a_kernel_that_does_not_compile_leaves_the_calls_to_f_linear(monkeypatch):
+    """No NVRTC, or a compile error: said once, and the op runs F.linear (no crash inside a model)."""
+    import torch_ext.hops.decode_linear_mma as module
+    from torch_ext import compat
+
+    def broken(source, name):
+        raise RuntimeError("nvrtc: error: simulated")
+
+    module._kernel.cache_clear()
+    monkeypatch.setattr(compat, "cuda_kernel_compiler", lambda: broken)
+    try:
+        x, w, b, _ = _inputs(4, 256, 128, torch.bfloat16, True, False, 5)
+        with pytest.warns(UserWarning, match="did not compile"):
+            assert not mma_takes(x, w, b)
+        out = torch.ops.torch_ext.decode_linear(x, w, b, False)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), rtol=0, atol=0)
+    finally:
+        module._kernel.cache_clear()

@@ -90,5 +90,15 @@ def no_modes_or_autocast_active() -> bool:
 
 def cuda_kernel_compiler():
     """torch.cuda._compile_kernel(source, name) (NVRTC to a cubin for the current device; private, in
-    2.9.1 through 2.15), or None: the kernels built with it then fall back to their reference."""
-    return getattr(torch.cuda, "_compile_kernel", None)
+    2.9.1 through 2.15), or None where it or the NVRTC library it loads is missing: the kernels built
+    with it then fall back to their reference."""
+    compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
+    if compile_kernel is None:
+        return None
+    try:
+        from torch.cuda._utils import _get_nvrtc_library
+
+        _get_nvrtc_library()
+    except Exception:  # ImportError, OSError (no libnvrtc), AttributeError (a CPU build's torch.version.cuda)
+        return None
+    return compile_kernel
