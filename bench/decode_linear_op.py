@@ -1,18 +1,18 @@
 """torch_ext::decode_linear's kernel paths against cuBLAS, on a chain of Llama-shaped projections.
 
-    python bench/decode_linear_op.py [--rows 1,2,4,8] [--layers 16]
+    python bench/decode_linear_op.py [--rows 1,2,4,8] [--layers 16] [--shapes qkv,o] [--paths row,mma]
+                                     [--mma-configs 1x16x2,1x8x1]
 
 A chain of qkv 6144x2048 -> o 2048x2048 -> gate_up 11264x2048 -> down 2048x5632, bf16, `rows` rows
 (each reading a fixed input: a kernel waits for the one before it all the same), in one CUDA graph: cuBLAS (torch.mm),
-and the op's kernel on each path ("row"/"rows": weight tile times vectors; "dot": tensor cores; "mma": the
-CUDA path, hops/decode_linear_mma.py),
+and the op's kernels ("row": the Triton GEMV, one row only; "mma": the CUDA path for a few rows,
+hops/decode_linear_mma.py),
 with and without programmatic dependent launch. ms per chain (median of interleaved rounds), x floor
 (weight bytes / copy bandwidth), x cuBLAS, and the relative error of one projection against float64.
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 
@@ -37,11 +37,9 @@ def main() -> int:
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--sweep-dot", action="store_true", help="the tensor-core path's launch configs, with PDL")
-    ap.add_argument("--dot-configs", default="", help="features x columns x warps x stages,... (with PDL)")
     ap.add_argument("--mma-configs", default="", help="the CUDA path's m-tiles x warps x chunks in flight,... (with PDL)")
     ap.add_argument("--shapes", default="qkv,o,gate_up,down", help="which projections the chain holds")
-    ap.add_argument("--paths", default="vector,dot,mma", help="which of the op's paths to time beside cuBLAS")
+    ap.add_argument("--paths", default="row,mma", help="which of the op's kernels to time beside cuBLAS")
     args = ap.parse_args()
     shapes = [SHAPES[s] for s in args.shapes.split(",")]
     bandwidth = copy_bandwidth()
@@ -51,25 +49,17 @@ def main() -> int:
     table = []
     for rows in [int(r) for r in args.rows.split(",")]:
         inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16, device="cuda") for k in {k for _, k in shapes}}
-        vector_path = "row" if rows == 1 else "rows"
         variants = {"cuBLAS": lambda x, w: torch.mm(x, w.t())}
-        paths = [vector_path if p == "vector" else p for p in args.paths.split(",") if p]
+        paths = [p for p in args.paths.split(",") if p and (p != "row" or rows == 1)]
         for path in paths:
             for pdl in (False, True):
                 variants[f"{path}{' pdl' if pdl else ''}"] = (
                     (lambda x, w, pdl=pdl: decode_linear_mma(x, w, None, pdl)) if path == "mma" else
-                    (lambda x, w, path=path, pdl=pdl: decode_linear_triton(x, w, None, pdl, path)))
+                    (lambda x, w, pdl=pdl: decode_linear_triton(x, w, None, pdl)))
         for c in (c for c in args.mma_configs.split(",") if c):
             mt, warps, unroll = (int(v) for v in c.split("x"))
             variants[f"mma pdl m{mt} w{warps} u{unroll}"] = (
                 lambda x, w, cfg=(mt, warps, unroll): decode_linear_mma(x, w, None, True, config=cfg))
-        configs = list(itertools.product((16, 32), (256, 512), (4, 8), (2, 3, 4))) if args.sweep_dot else []
-        configs += [tuple(int(v) for v in c.split("x")) for c in args.dot_configs.split(",") if c]
-        if configs:
-            for bn, bk, warps, stages in configs:
-                cfg = dict(BLOCK_N=bn, BLOCK_K=bk, PRE_K=bk, num_warps=warps, num_stages=stages)
-                variants[f"dot pdl n{bn} k{bk} w{warps} s{stages}"] = (
-                    lambda x, w, cfg=cfg: decode_linear_triton(x, w, None, True, "dot", cfg))
         graphs, errors = {}, {}
         for name, linear in variants.items():
             def chain(linear=linear):

@@ -165,20 +165,17 @@ def column_experiment(name: str):
     import torch_ext.hops.decode_linear as op
 
     config = op.config
-    path = "row"  # ext-row-n<BLOCK_N>-p<PRE_K>-k<BLOCK_K>-w<warps>
-    overrides = {}
+    overrides = {}  # ext-row-n<BLOCK_N>-p<PRE_K>-k<BLOCK_K>-w<warps>
     for part in name.split("-")[2:]:
         key = {"p": "PRE_K", "n": "BLOCK_N", "w": "num_warps", "k": "BLOCK_K"}[part[0]]
         overrides[key] = int(part[1:])
 
-    def patched(r, k, dtype, path_=None):
-        cfg = dict(config(r, k, dtype, path_))
-        if cfg["PATH"] == path:
-            cfg.update(overrides)
-            if k % cfg["BLOCK_K"]:
-                cfg["BLOCK_K"] = config(r, k, dtype, path_)["BLOCK_K"]
-            # a multiple of BLOCK_K, at most k: a power of two <= k
-            cfg["PRE_K"] = max(cfg["BLOCK_K"], min(cfg["PRE_K"], 1 << (k.bit_length() - 1)))
+    def patched(k):
+        cfg = {**config(k), **overrides}
+        if k % cfg["BLOCK_K"]:
+            cfg["BLOCK_K"] = config(k)["BLOCK_K"]
+        # a multiple of BLOCK_K, at most k: a power of two <= k
+        cfg["PRE_K"] = max(cfg["BLOCK_K"], min(cfg["PRE_K"], 1 << (k.bit_length() - 1)))
         return cfg
 
     op.config = patched

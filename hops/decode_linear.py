@@ -35,21 +35,21 @@ import torch
 from torch_ext.hops.fused_add_rms_norm import has_triton
 from torch_ext.hops.launch_policy import runs_reference
 
-__all__ = ["KERNEL_MAX_ROWS", "MAX_ROWS", "decode_linear", "decode_linear_reference", "decode_linear_triton",
+__all__ = ["MAX_ROWS", "PROLOGUE_MAX_ROWS", "decode_linear", "decode_linear_reference", "decode_linear_triton",
            "kernel_takes", "prologue_reference", "serves", "serves_prologue"]
 
 # Rows (batch x tokens) the op runs a kernel of its own for; more run F.linear. One row: the Triton kernel
 # (hops/decode_linear_kernels.py), any float dtype. 2..MAX_ROWS rows, 16-bit: the CUDA path
 # (hops/decode_linear_mma.py). H100, a chain of Llama projections (bench/decode_linear_op.py): one row
-# 0.83x cuBLAS's time; the CUDA path 0.92x at 2 rows, 0.95x at 8, 1.04x at 16, 1.28x at 32. Triton's
-# multi-row paths ("rows", "dot": bench only) ran 2 rows at 1.02x, 4 at 1.30x, 8 at 1.35x.
+# 0.83x cuBLAS's time; the CUDA path 0.88x at 2 rows, 0.91x at 8, 1.04x at 16, 1.28x at 32. Triton's
+# multi-row paths (a tile per row, tl.dot; removed, in the history before commit 4d655c2) ran 2 rows at
+# 1.02x, 4 at 1.30x, 8 at 1.35x (bench/results/decode_linear_op_h100_torch2.11.log).
 MAX_ROWS = 8
 # Rows up to which the rewrite folds the norm and gate into the op (the residual add: every row count).
 # At 8 rows every block of the CUDA path redoes the prologue over all of x: HF Llama batch 8 on an H100
 # ran 1.298 ms with them fused against 1.179 with cuBLAS and Inductor's norms
 # (bench/results/inference_floor_mma_h100_torch2.11.log).
 PROLOGUE_MAX_ROWS = 1
-KERNEL_MAX_ROWS = 16  # what the Triton kernel serves (its "dot" path pads rows to 16)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -118,8 +118,8 @@ def serves_prologue(rows: int, dtype: torch.dtype, device: torch.device) -> bool
 
 
 def kernel_takes(x, weight, bias, norm_weight=None, up=None, residual=None) -> bool:
-    """Shapes and layouts the Triton kernel serves (the op falls back to the reference on the rest): the
-    norm and gate prologues on one row only."""
+    """Shapes and layouts the Triton kernel serves (the op falls back to the reference on the rest): one
+    row, a float dtype shared by every operand, K a multiple of 64, contiguous weight and operands."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     n = weight.shape[0] if weight.dim() == 2 else -1
@@ -127,42 +127,28 @@ def kernel_takes(x, weight, bias, norm_weight=None, up=None, residual=None) -> b
     def plain(t, shape) -> bool:  # an optional operand: x's dtype, the given shape, contiguous
         return t is None or (t.dtype == x.dtype and t.shape == shape and t.is_contiguous())
 
-    return (0 < rows <= KERNEL_MAX_ROWS and (rows == 1 or norm_weight is None and up is None)
-            and weight.dim() == 2 and weight.shape[1] == k and k % 64 == 0
+    return (rows == 1 and weight.dim() == 2 and weight.shape[1] == k and k % 64 == 0
             and weight.is_contiguous() and x.dtype in _DTYPES and weight.dtype == x.dtype
             and plain(bias, (n,)) and plain(norm_weight, (k,)) and plain(up, x.shape)
             and plain(residual, (*x.shape[:-1], n)))
 
 
 @functools.lru_cache(maxsize=None)
-def config(rows: int, k: int, dtype: torch.dtype, path: str | None = None) -> dict:
-    """Launch config. One row ("row"): 4 features x 512 columns a tile, the first 2048 loaded before
-    the wait, 4 warps. bench/pdl_gemv.py's sweep of plain GEMVs (H200) picked 2 features; with the norm
-    and gate fused, every program computes its prologue over the whole row, and 4 features halve that
-    work: HF Llama batch 1 on an H100 0.861 ms against 0.910 (8 features 0.955, 8 with 8 warps 0.894,
-    bench/results/inference_floor_row_tile_h100_torch2.11.log). A few rows: 16-bit inputs on
-    tensor cores ("dot", rows padded to 16; float32 would be tf32), float32 with each row a vector
-    against the tile in registers ("rows"). Cached: the caller copies it."""
-    import triton
-
-    path = path or ("row" if rows == 1 else ("rows" if dtype == torch.float32 else "dot"))
-    if path == "dot" and dtype == torch.float32:
-        path = "rows"
+def config(k: int) -> dict:
+    """Launch config: 4 features x 512 columns a tile, the first 2048 loaded before the wait, 4 warps.
+    bench/pdl_gemv.py's sweep of plain GEMVs (H200) picked 2 features; with the norm and gate fused,
+    every program computes its prologue over the whole row, and 4 features halve that work: HF Llama
+    batch 1 on an H100 0.861 ms against 0.910 (8 features 0.955, 8 with 8 warps 0.894,
+    bench/results/inference_floor_row_tile_h100_torch2.11.log). Cached: the caller copies it."""
     block_k = next(b for b in (512, 256, 128, 64) if k % b == 0)
-    if path == "dot":  # the best of --dot-configs on an H100 at 8 rows: 32 x 256, 5 stages (1.00x cuBLAS)
-        block_k = min(block_k, 256)
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, PRE_K=block_k, PATH=path, num_warps=4, num_stages=5)
-    block_m = 1 if path == "row" else triton.next_power_of_2(rows)
     pre_k = max(block_k, min(1 << (k.bit_length() - 1), 2048))  # a power of two <= k: a multiple of block_k
-    return dict(BLOCK_M=block_m, BLOCK_N=4 if path == "row" else 2, BLOCK_K=block_k, PRE_K=pre_k, PATH=path,
-                num_warps=4)
+    return dict(BLOCK_N=4, BLOCK_K=block_k, PRE_K=pre_k, num_warps=4)
 
 
-def decode_linear_triton(x, weight, bias, pdl: bool, path: str | None = None, overrides: dict | None = None, *,
-                         norm_weight=None, eps: float = 0.0, up=None, residual=None) -> torch.Tensor:
-    """The Triton path (also on CPU tensors under TRITON_INTERPRET=1, with pdl False, for tests); path
-    and overrides (launch config entries) replace the kernel's choice (bench/decode_linear_op.py).
-    The norm and gate run on the one-row path only."""
+def decode_linear_triton(x, weight, bias, pdl: bool, overrides: dict | None = None, *, norm_weight=None,
+                         eps: float = 0.0, up=None, residual=None) -> torch.Tensor:
+    """The Triton kernel, one row (also on CPU tensors under TRITON_INTERPRET=1, with pdl False, for
+    tests); overrides (launch config entries) replace the kernel's choice (bench/inference_floor.py)."""
     import triton
 
     from torch_ext.hops.decode_linear_kernels import decode_linear_kernel
@@ -170,17 +156,16 @@ def decode_linear_triton(x, weight, bias, pdl: bool, path: str | None = None, ov
 
     n, k = weight.shape
     x2 = x.reshape(-1, k)
+    if x2.shape[0] != 1:
+        raise ValueError(f"decode_linear_triton: one row, not {x2.shape[0]} (the op routes more rows elsewhere)")
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    rows = x2.shape[0]
-    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    cfg = {**config(rows, k, x.dtype, path), **(overrides or {})}
-    if (norm_weight is not None or up is not None) and cfg["PATH"] != "row":
-        raise ValueError(f"decode_linear: the norm and gate prologues run on the one-row path, not {cfg['PATH']!r}")
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    cfg = {**config(k), **(overrides or {})}
     up2 = up.reshape(-1, k).contiguous() if up is not None else x2
     res2 = residual.reshape(-1, n).contiguous() if residual is not None else y
     decode_linear_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x2, weight, bias if bias is not None else weight, y, norm_weight if norm_weight is not None else weight,
-        up2, res2, float(eps), rows, n, K=k, HAS_BIAS=bias is not None, PDL=pdl, NORM=norm_weight is not None,
+        up2, res2, float(eps), n, K=k, HAS_BIAS=bias is not None, PDL=pdl, NORM=norm_weight is not None,
         GATED=up is not None, RESIDUAL=residual is not None, **cfg, **launch_options(pdl))
     return y.view(*x.shape[:-1], n)

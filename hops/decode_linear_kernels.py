@@ -1,15 +1,12 @@
 """Triton kernel of torch_ext::decode_linear (hops/decode_linear.py); imported only where it runs.
 
-A program owns BLOCK_N output features of all M (<= 8) rows: it streams those rows of the weight once,
+A program owns BLOCK_N output features of the one row: it streams those rows of the weight once,
 BLOCK_K columns at a time, reducing in float32. Its first PRE_K columns are loaded before
 `wait_then_release` (hops/pdl_kernels.py): the weights depend on no earlier kernel of the graph, so
 under programmatic dependent launch they are in flight while the previous kernel drains; x, the
 bias and the output are touched only after the wait.
 
-PATH: "row" (one row: a weight tile times a vector), "rows" (a few rows, each a weight tile times a
-vector, the tile loaded once), "dot" (16-bit inputs, rows padded to 16: tensor cores).
-
-The "row" path also fuses what a decode layer runs around its projections (the op's docstring):
+The kernel also fuses what a decode layer runs around its projections (the op's docstring):
 NORM, an RMSNorm of x first (each program sums x's squares itself: one row is a few KB from L2);
 GATED, silu(x) * up; RESIDUAL, an add after. Each rounds to x's dtype where eager does.
 """
@@ -37,55 +34,32 @@ def _row_prologue(x_ptr, up_ptr, g_ptr, cols, inv_rms, NORM: tl.constexpr, GATED
 
 
 @triton.jit
-def _tile_times_rows(acc, w, x_ptr, up_ptr, g_ptr, cols, inv_rms, M, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                     PATH: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr):
-    """acc (BLOCK_M, BLOCK_N) += x[:, cols] @ w.T for the weight tile w (BLOCK_N, len(cols))."""
-    if PATH == "row":
-        x = _row_prologue(x_ptr, up_ptr, g_ptr, cols, inv_rms, NORM, GATED)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)[None, :]
-    elif PATH == "dot":
-        rows = tl.arange(0, BLOCK_M)
-        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=(rows < M)[:, None], other=0.0)
-        acc += tl.dot(x, tl.trans(w))
-    else:
-        rows = tl.arange(0, BLOCK_M)
-        wf = w.to(tl.float32)
-        for m in tl.static_range(BLOCK_M):
-            if m < M:
-                x = tl.load(x_ptr + m * K + cols).to(tl.float32)
-                acc += tl.where(rows[:, None] == m, tl.sum(wf * x[None, :], axis=1)[None, :], 0.0)
-    return acc
-
-
-@triton.jit
-def decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, up_ptr, res_ptr, eps, M, N, K: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRE_K: tl.constexpr, PDL: tl.constexpr, PATH: tl.constexpr, NORM: tl.constexpr,
-                         GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+def decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, up_ptr, res_ptr, eps, N, K: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE_K: tl.constexpr,
+                         PDL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = features < N
     pre_cols = tl.arange(0, PRE_K)
     w_pre = tl.load(w_ptr + features[:, None] * K + pre_cols[None, :], mask=live[:, None], other=0.0)
     wait_then_release(PDL)  # x is complete, y is ours to write
     inv_rms = 1.0
-    if NORM:  # the "row" path only (the op checks): one row's mean square
+    if NORM:  # the row's mean square
         squares = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: the row's loads go out together
             xk = tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
             squares += xk * xk
         inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = _tile_times_rows(acc, w_pre, x_ptr, up_ptr, g_ptr, pre_cols, inv_rms, M, K, BLOCK_M, PATH, NORM, GATED)
+    x = _row_prologue(x_ptr, up_ptr, g_ptr, pre_cols, inv_rms, NORM, GATED)
+    acc = tl.sum(w_pre.to(tl.float32) * x[None, :], axis=1)
     for k0 in range(PRE_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + features[:, None] * K + cols[None, :], mask=live[:, None], other=0.0)
-        acc = _tile_times_rows(acc, w, x_ptr, up_ptr, g_ptr, cols, inv_rms, M, K, BLOCK_M, PATH, NORM, GATED)
+        x = _row_prologue(x_ptr, up_ptr, g_ptr, cols, inv_rms, NORM, GATED)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + features, mask=live, other=0.0).to(tl.float32)[None, :]
-    out_rows = tl.arange(0, BLOCK_M)
-    out_mask = (out_rows < M)[:, None] & live[None, :]
+        acc += tl.load(b_ptr + features, mask=live, other=0.0).to(tl.float32)
     out = acc.to(y_ptr.dtype.element_ty)
     if RESIDUAL:  # eager adds the rounded projection to the residual, in y's dtype
-        res = tl.load(res_ptr + out_rows[:, None] * N + features[None, :], mask=out_mask, other=0.0)
+        res = tl.load(res_ptr + features, mask=live, other=0.0)
         out = (out.to(tl.float32) + res.to(tl.float32)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + out_rows[:, None] * N + features[None, :], out, mask=out_mask)
+    tl.store(y_ptr + features, out, mask=live)

@@ -182,7 +182,7 @@ def test_several_rows_of_a_16_bit_model_fold_their_residual_adds_and_float32_row
     """Up to MAX_ROWS rows of float16 / bfloat16 run the op's CUDA path (hops/decode_linear_mma.py): their
     residual adds fold into it; the norm and gate only up to PROLOGUE_MAX_ROWS (raised: all five, as at
     one row). Several float32 rows are left to F.linear (cuBLAS beats every kernel of ours there). The
-    Triton kernel itself takes the prologues on one row only; the op routes several rows elsewhere."""
+    Triton kernel itself takes one row only; the op routes several rows elsewhere."""
     from torch_ext.hops import decode_linear as op
 
     monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
@@ -202,9 +202,8 @@ def test_several_rows_of_a_16_bit_model_fold_their_residual_adds_and_float32_row
                                  torch.randn(op.MAX_ROWS + 1, 1, DIM, dtype=torch.bfloat16))
     assert fused == 0 and not _calls(gm)
     x, w, g = torch.randn(4, DIM), torch.randn(DIM, DIM), torch.randn(DIM)
-    assert op.kernel_takes(x, w, None) and op.kernel_takes(x, w, None, residual=torch.randn(4, DIM))
-    assert not op.kernel_takes(x, w, None, norm_weight=g) and not op.kernel_takes(x, w, None, up=x)
-    assert op.kernel_takes(x[:1], w, None, norm_weight=g, up=x[:1])
+    assert not op.kernel_takes(x, w, None) and not op.kernel_takes(x, w, None, norm_weight=g)
+    assert op.kernel_takes(x[:1], w, None, norm_weight=g, up=x[:1], residual=torch.randn(1, DIM))
 
 
 def test_a_dynamic_graph_runs_the_op_at_batch_one(monkeypatch):
