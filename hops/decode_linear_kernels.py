@@ -49,13 +49,15 @@ def decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, up_ptr, res_ptr, eps
             xk = tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
             squares += xk * xk
         inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-    x = _row_prologue(x_ptr, up_ptr, g_ptr, pre_cols, inv_rms, NORM, GATED)
-    acc = tl.sum(w_pre.to(tl.float32) * x[None, :], axis=1)
+    # Each tile's names are its own: a variable carried through the loop must keep its shape (PRE_K
+    # and BLOCK_K columns differ; the interpreter does not check that, the compiler does).
+    x_pre = _row_prologue(x_ptr, up_ptr, g_ptr, pre_cols, inv_rms, NORM, GATED)
+    acc = tl.sum(w_pre.to(tl.float32) * x_pre[None, :], axis=1)
     for k0 in range(PRE_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + features[:, None] * K + cols[None, :], mask=live[:, None], other=0.0)
-        x = _row_prologue(x_ptr, up_ptr, g_ptr, cols, inv_rms, NORM, GATED)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        x_tile = _row_prologue(x_ptr, up_ptr, g_ptr, cols, inv_rms, NORM, GATED)
+        acc += tl.sum(w.to(tl.float32) * x_tile[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + features, mask=live, other=0.0).to(tl.float32)
     out = acc.to(y_ptr.dtype.element_ty)

@@ -1,0 +1,57 @@
+"""Our Triton kernels through Triton's front end for a CUDA target, on the CPU: the step that checks
+types (a loop-carried variable must keep its shape) and constexpr use, which the interpreter tests skip.
+A kernel that passed the interpreter once failed here on the GPU ("Loop-carried variable x has initial
+type <[2048], fp32> but is re-assigned to <[512], fp32>"). Uses Triton's compiler internals
+(ASTSource.make_ir, the same on Triton 3.5, 3.6 and 3.9)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+
+def _ttir(kernel, signature: dict, constexprs: dict) -> str:
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    options = backend.parse_options({})
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    module = source.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                            context)
+    return str(module)
+
+
+@pytest.mark.parametrize("k,block_k,pre_k", [(2048, 512, 2048), (5632, 512, 4096), (320, 64, 256), (64, 64, 64)])
+def test_decode_linear_kernel_builds_for_every_fused_part(k, block_k, pre_k):
+    from torch_ext.hops.decode_linear_kernels import decode_linear_kernel
+
+    pointers = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "g_ptr", "up_ptr", "res_ptr")
+    signature = {name: "*bf16" if name in pointers else {"eps": "fp32", "N": "i32"}.get(name, "constexpr")
+                 for name in decode_linear_kernel.arg_names}
+    for has_bias, pdl, norm, gated, residual in itertools.product((False, True), repeat=5):
+        constexprs = dict(K=k, HAS_BIAS=has_bias, BLOCK_N=4, BLOCK_K=block_k, PRE_K=pre_k, PDL=pdl, NORM=norm,
+                          GATED=gated, RESIDUAL=residual)
+        assert "tt.func" in _ttir(decode_linear_kernel, signature, constexprs)
+
+
+def test_a_loop_carried_shape_change_is_what_this_catches():
+    """The check itself: the front end refuses a kernel whose loop reassigns a variable to a new shape."""
+    import triton.language as tl
+
+    @triton.jit
+    def reshaping(out_ptr, A: tl.constexpr, B: tl.constexpr):
+        x = tl.zeros([A], dtype=tl.float32)
+        for _ in range(3):
+            x = tl.zeros([B], dtype=tl.float32)
+        tl.store(out_ptr + tl.arange(0, B), x)
+
+    with pytest.raises(Exception, match="Loop-carried variable"):
+        _ttir(reshaping, {"out_ptr": "*fp32", "A": "constexpr", "B": "constexpr"}, {"A": 16, "B": 8})
