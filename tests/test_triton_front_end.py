@@ -1,4 +1,4 @@
-"""Our Triton kernels through Triton's front end for a CUDA target, on the CPU: the step that checks
+"""Our Triton kernels (decode_linear's, decode_attention's) through Triton's front end for a CUDA target, on the CPU: the step that checks
 types (a loop-carried variable must keep its shape) and constexpr use, which the interpreter tests skip.
 A kernel that passed the interpreter once failed here on the GPU ("Loop-carried variable x has initial
 type <[2048], fp32> but is re-assigned to <[512], fp32>"). Uses Triton's compiler internals
@@ -55,3 +55,26 @@ def test_a_loop_carried_shape_change_is_what_this_catches():
 
     with pytest.raises(Exception, match="Loop-carried variable"):
         _ttir(reshaping, {"out_ptr": "*fp32", "A": "constexpr", "B": "constexpr"}, {"A": 16, "B": 8})
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+@pytest.mark.parametrize("direct", [False, True])
+def test_decode_attention_kernels_build(mask, direct):
+    from torch_ext.hops.decode_attention_kernels import combine_kernel, grouped_kernel, partial_kernel
+
+    pointers = {"q", "k", "v", "mask", "partial", "out"}
+    for kernel, extra in ((partial_kernel, {}), (grouped_kernel, dict(BLOCK_G=16, IEEE=False))):
+        signature = {}
+        for name in kernel.arg_names:
+            if name in pointers:
+                signature[name] = {"mask": "*i1" if mask == "bool" else "*bf16", "partial": "*fp32"}.get(name, "*bf16")
+            else:
+                signature[name] = "fp32" if name == "scale_log2" else "constexpr" if name.isupper() else "i32"
+        constexprs = dict(HAS_MASK=mask is not None, BOOL_MASK=mask == "bool", DIRECT=direct, BLOCK_N=64,
+                          BLOCK_D=128, PDL=True, **extra)
+        for name in ("H", "GROUPS", "L", "PER_SPLIT", "D", "SPLITS"):  # plain ints in the launch, not constexpr
+            signature[name] = "i32"
+        assert "tt.func" in _ttir(kernel, signature, constexprs)
+    signature = {"partial": "*fp32", "out": "*bf16", "so_b": "i32", "so_h": "i32", "H": "i32", "D": "i32",
+                 "SPLITS": "i32", "BLOCK_S": "constexpr", "BLOCK_D": "constexpr", "PDL": "constexpr"}
+    assert "tt.func" in _ttir(combine_kernel, signature, dict(BLOCK_S=8, BLOCK_D=128, PDL=True))
