@@ -59,16 +59,16 @@ def test_fused_parts_equal_the_eager_formulation(pdl, dtype, parts):
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
-def test_a_chain_with_dependent_launch_in_a_cuda_graph_reads_each_input_complete():
-    """Linears that load their weights before the kernel before them finishes, reading the previous
-    one's output directly or through a pointwise kernel, captured and replayed on fresh inputs: a read
-    of an input before it is written would show as a moving error."""
+def assert_dependent_launch_chain_reads_each_input_complete(linear, rows: int) -> None:
+    """Six linears (`linear(h, w)`) that load their weights before the kernel before them finishes,
+    reading the previous one's output directly or through a pointwise kernel, captured and replayed on
+    fresh inputs of `rows` rows: a read of an input before it is written would show as a moving error."""
     g = torch.Generator(device="cuda").manual_seed(0)
     weights = [torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16, generator=g) / 2048 ** 0.5
                for _ in range(6)]
-    x = torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty(rows, 2048, device="cuda", dtype=torch.bfloat16)
 
-    def chain(linear=lambda h, w: torch.ops.torch_ext.decode_linear(h, w, None, True), h=x):
+    def chain(linear=linear, h=x):
         for i, w in enumerate(weights):  # every other linear reads the one before it directly
             h = linear(torch.tanh(h) * 2 if i % 2 == 0 else h, w)
         return h
@@ -82,10 +82,15 @@ def test_a_chain_with_dependent_launch_in_a_cuda_graph_reads_each_input_complete
     with torch.cuda.graph(graph):
         out = chain()
     for _ in range(20):
-        x.copy_(torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16, generator=g))
+        x.copy_(torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16, generator=g))
         graph.replay()
         ref = chain(lambda h, w: torch.nn.functional.linear(h, w.double()), x.double())
         assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def test_a_chain_with_dependent_launch_in_a_cuda_graph_reads_each_input_complete():
+    assert_dependent_launch_chain_reads_each_input_complete(
+        lambda h, w: torch.ops.torch_ext.decode_linear(h, w, None, True), rows=1)
 
 
 @pytest.mark.parametrize("mode,forced", [("none", True), ("none", None), ("full", None)])
