@@ -1,8 +1,8 @@
 """`torch.ops.torch_ext.decode_linear`: F.linear for a few rows (a decode step's projections), at
 memory bandwidth.
 
-    decode_linear(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None)
-        -> F.linear(prologue(x), weight, bias) (+ residual)
+    decode_linear(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None, gate=None)
+        -> gated(F.linear(prologue(x), weight, bias)) (+ residual)
         x: (..., K); weight (N, K); bias None or (N,).
         prefetch: the weight is written by no kernel of the graph the call runs in, and a kernel of
         that graph runs before it (the rewrite checks both): the kernel may then load its first
@@ -10,10 +10,15 @@ memory bandwidth.
         norm_weight (K,): x is first RMS-normalized as HF's RMSNorm does:
             h = x.float(); x = norm_weight * (h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
         up (..., K) like x: then x = silu(x) * up (a gated MLP's input to its down projection).
-        residual (..., N): added to the projection's output (a residual stream's add).
+        gate [gate_start, up_start, width]: the output is silu(y[..., gate_start:gate_start + width]) *
+        y[..., up_start:up_start + width] for the projection's y (a gated MLP's merged gate/up projection
+        and its product, at 2..MAX_ROWS rows: one kernel fewer a layer where the norm and gate are not
+        fused into the prologues). residual then has the product's shape.
+        residual (..., N or width): added to the output (a residual stream's add).
 
 The fused parts (rewrite/decode_linear_fusion.py puts them in) save a decode layer the launches and
-round trips of its norms, its gate and its residual adds: per layer three kernels fewer.
+round trips of its norms, its gate and its residual adds (at 2..MAX_ROWS rows: its gate, in the
+gate/up projection's epilogue, and its residual adds).
 
 Why: at one row a projection is a GEMV whose kernel is short (2-18 us) and pays a ramp and a tail
 each time; cuBLAS's GEMVs ran a chain of Llama-shaped projections at 1.64x the bytes' floor on an
@@ -36,7 +41,7 @@ from torch_ext.hops.fused_add_rms_norm import has_triton
 from torch_ext.hops.launch_policy import runs_reference
 
 __all__ = ["MAX_ROWS", "PROLOGUE_MAX_ROWS", "decode_linear", "decode_linear_reference", "decode_linear_triton",
-           "kernel_takes", "prologue_reference", "serves", "serves_prologue"]
+           "kernel_takes", "prologue_reference", "serves", "serves_gate", "serves_prologue"]
 
 # Rows (batch x tokens) the op runs a kernel of its own for; more run F.linear. One row: the Triton kernel
 # (hops/decode_linear_kernels.py), any float dtype. 2..MAX_ROWS rows, 16-bit: the CUDA path
@@ -56,28 +61,29 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @torch.library.custom_op("torch_ext::decode_linear", mutates_args=())
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prefetch: bool,
                   norm_weight: torch.Tensor | None = None, eps: float = 0.0, up: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, gate: list[int] | None = None) -> torch.Tensor:
     """Every device without the kernel: the eager formulation."""
-    return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual)
+    return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual, gate)
 
 
 @decode_linear.register_fake
-def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None, gate=None):
+    _check_gate(gate, weight.shape[0])
+    return x.new_empty((*x.shape[:-1], weight.shape[0] if gate is None else gate[2]))
 
 
 @decode_linear.register_kernel("cuda")
-def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None):
+def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None, gate=None):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if runs_reference("decode_linear") or not 0 < rows <= MAX_ROWS:
-        return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual)
-    if rows > 1:  # the CUDA path (Triton's multi-row paths lose to cuBLAS: the module docstring)
+        return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual, gate)
+    if rows > 1 or gate is not None:  # the CUDA path (Triton's multi-row paths lose to cuBLAS: the docstring)
         from torch_ext.hops.decode_linear_mma import decode_linear_mma, mma_takes
 
-        if mma_takes(x, weight, bias, norm_weight, up, residual):
+        if mma_takes(x, weight, bias, norm_weight, up, residual, gate):
             return decode_linear_mma(x, weight, bias, prefetch, norm_weight=norm_weight, eps=eps, up=up,
-                                     residual=residual)
-        return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual)
+                                     residual=residual, gate=gate)
+        return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual, gate)
     if not (has_triton() and kernel_takes(x, weight, bias, norm_weight, up, residual)):
         return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual)
     from torch_ext.hops.pdl_kernels import has_pdl
@@ -86,10 +92,24 @@ def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=No
                                 up=up, residual=residual)
 
 
-def decode_linear_reference(x, weight, bias, norm_weight=None, eps: float = 0.0, up=None, residual=None):
+def decode_linear_reference(x, weight, bias, norm_weight=None, eps: float = 0.0, up=None, residual=None, gate=None):
     """What the op computes, as eager writes it (HF's RMSNorm, silu(gate) * up, a residual add)."""
     y = torch.nn.functional.linear(prologue_reference(x, norm_weight, eps, up), weight, bias)
+    if gate is not None:
+        _check_gate(gate, weight.shape[0])
+        gate_start, up_start, width = gate
+        y = torch.nn.functional.silu(y[..., gate_start:gate_start + width]) * y[..., up_start:up_start + width]
     return y if residual is None else y + residual
+
+
+def _check_gate(gate, n: int) -> None:
+    """A gate names two slices of the projection's n outputs (the rewrite builds it; a hand-written call
+    gets this error rather than a silently short slice)."""
+    if gate is None:
+        return
+    if len(gate) != 3 or gate[2] <= 0 or not all(0 <= s and s + gate[2] <= n for s in gate[:2]):
+        raise ValueError(f"decode_linear: gate {list(gate)} is not [gate_start, up_start, width] with both "
+                         f"slices inside the projection's {n} outputs")
 
 
 def prologue_reference(x, norm_weight=None, eps: float = 0.0, up=None):
@@ -110,6 +130,11 @@ def serves(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
         return dtype in _DTYPES
     return (1 < rows <= MAX_ROWS and dtype in (torch.float16, torch.bfloat16)
             and (device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)))
+
+
+def serves_gate(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the op's kernel computes a gate (the CUDA path, 2..MAX_ROWS rows) at this many rows."""
+    return rows > 1 and serves(rows, dtype, device)
 
 
 def serves_prologue(rows: int, dtype: torch.dtype, device: torch.device) -> bool:

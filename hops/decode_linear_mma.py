@@ -15,6 +15,11 @@ order (deterministic). Rows (the batch) are the mma's n: 8 per n-tile, NT tiles 
 Under programmatic dependent launch the first chunks' weights are loaded before `griddepcontrol.wait`:
 no kernel of the graph writes weights (the rewrite checks), x is read only after the wait.
 
+With a gate (GATE_EPILOGUE: a gated MLP's merged gate/up projection) the epilogue writes
+silu(gate) * up itself: a fragment's rows g and g + 8 are the gate's and the up's weight rows of one
+output feature, so the lane that holds one half holds the other, and no kernel of its own runs the
+product (bench/results/NOTES_issue25.md: one launch fewer a layer, half the output written).
+
 Compiled with NVRTC (torch.cuda._compile_kernel) on first use per (device, dtype, config); launched with
 cuLaunchKernelEx so that CUDA graph capture records the PDL edge, as Triton does for its kernels.
 """
@@ -153,16 +158,28 @@ __device__ __forceinline__ void multiply_chunk(float (&acc)[NT][MT][4], const u3
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u16* __restrict__ bias,
                   const u16* __restrict__ residual, u16* __restrict__ y, const u16* __restrict__ norm_weight,
-                  const u16* __restrict__ up, float eps, int M, int N, int K, int x_stride, int up_stride, int pdl) {
+                  const u16* __restrict__ up, float eps, int M, int N, int K, int x_stride, int up_stride, int pdl,
+                  int gate_start, int up_start) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int f0 = blockIdx.x * 16 * MT;
   const u16* rows[MT][2];
+#if GATE_EPILOGUE
+  // Output feature f is silu(Y[gate_start + f]) * Y[up_start + f]: a fragment's rows g and g + 8 are the
+  // gate's and the up's weight rows of one feature, so one lane ends up holding both halves.
+  const int f0 = blockIdx.x * 8 * MT;
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)  // a feature past N reads row N-1; its output is not written
+      rows[m][r] = w + (long long)((r ? up_start : gate_start) + min(f0 + 8 * m + g, N - 1)) * K + 16 * t;
+#else
+  const int f0 = blockIdx.x * 16 * MT;
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
     for (int r = 0; r < 2; ++r)  // a feature past N reads row N-1; its output is not written
       rows[m][r] = w + (long long)min(f0 + 16 * m + 8 * r + g, N - 1) * K + 16 * t;
+#endif
   const int chunks = K / 64;
   float acc[NT][MT][4];
 #pragma unroll
@@ -239,12 +256,23 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
     const int slot = v / 32, l = v % 32;
     const int j = slot / (MT * 4), m = (slot / 4) % MT, i = slot % 4;
     const int row = 8 * j + 2 * (l & 3) + (i & 1);
+#if GATE_EPILOGUE
+    const int feature = f0 + 8 * m + (l >> 2);
+    if (row >= M || feature >= N || (i & 2)) continue;  // slot + 2 holds the up half of this slot's feature
+    float gate = 0.f, up_sum = 0.f;
+    for (int k = 0; k < WARPS; ++k) gate += partial[k][slot][l], up_sum += partial[k][slot + 2][l];
+    if (bias) gate += to_float(bias[gate_start + feature]), up_sum += to_float(bias[up_start + feature]);
+    // Rounded where eager rounds: each projection's output, silu's, the product.
+    const float h = to_float(from_float(gate));
+    u16 out = from_float(to_float(from_float(h / (1.f + __expf(-h)))) * to_float(from_float(up_sum)));
+#else
     const int feature = f0 + 16 * m + (l >> 2) + 8 * (i >> 1);
     if (row >= M || feature >= N) continue;
     float sum = 0.f;
     for (int k = 0; k < WARPS; ++k) sum += partial[k][slot][l];
     if (bias) sum += to_float(bias[feature]);
     u16 out = from_float(sum);
+#endif
     if (residual) out = from_float(to_float(out) + to_float(residual[(long long)row * N + feature]));
     y[(long long)row * N + feature] = out;
   }
@@ -262,14 +290,16 @@ def default_config(n: int, device_index: int) -> tuple[int, int, int]:
     return (1, 16, 2) if (n + 15) // 16 <= sms * 5 // 4 else (1, 8, 1)
 
 
-def mma_takes(x: torch.Tensor, weight: torch.Tensor, bias=None, norm_weight=None, up=None, residual=None) -> bool:
+def mma_takes(x: torch.Tensor, weight: torch.Tensor, bias=None, norm_weight=None, up=None, residual=None,
+              gate=None) -> bool:
     """The tensors this path serves: CUDA of compute capability 8.0+ (mma.sync on 16-bit floats), x of
     1..MMA_MAX_ROWS rows, K a multiple of 64, every operand x's dtype and shape, weight and norm weight
-    contiguous and 16-byte aligned (never copied per call), bias and residual contiguous; NVRTC present.
-    x and up may be row-strided views (_rows)."""
+    contiguous and 16-byte aligned (never copied per call), bias and residual contiguous, a gate's two
+    slices inside the weight; NVRTC present. x and up may be row-strided views (_rows)."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     n = weight.shape[0] if weight.dim() == 2 else -1
+    out = n if gate is None else gate[2]
 
     def plain(t, shape, aligned=False) -> bool:
         return t is None or (t.dtype == x.dtype and t.device == x.device and tuple(t.shape) == tuple(shape)
@@ -278,14 +308,19 @@ def mma_takes(x: torch.Tensor, weight: torch.Tensor, bias=None, norm_weight=None
     if not (x.is_cuda and x.dtype in _DTYPES and 1 <= rows <= MMA_MAX_ROWS and k % 64 == 0 and n > 0
             and plain(weight, (n, k), aligned=True) and plain(bias, (n,)) and plain(norm_weight, (k,), aligned=True)
             and (up is None or up.dtype == x.dtype and up.shape == x.shape and up.device == x.device)
-            and plain(residual, (*x.shape[:-1], n))):
+            and plain(residual, (*x.shape[:-1], out)) and (gate is None or _gate_fits(gate, n))):
         return False
     index = _index(x.device)
     if _capability(index) < (8, 0):
         return False
     mt, warps, unroll = default_config(n, index)
     return _kernel(index, _DTYPES[x.dtype], mt, (rows + 7) // 8, warps, unroll, norm_weight is not None,
-                   up is not None) is not None
+                   up is not None, gate is not None) is not None
+
+
+def _gate_fits(gate, n: int) -> bool:
+    gate_start, up_start, width = gate
+    return width > 0 and all(0 <= start and start + width <= n for start in (gate_start, up_start))
 
 
 def _index(device: torch.device) -> int:
@@ -298,18 +333,20 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 
 def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *, norm_weight=None, eps: float = 0.0,
-                      up=None, residual=None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """decode_linear (hops/decode_linear.py: the prologue, F.linear, the residual add) for the tensors
-    mma_takes accepts; config (features a block / 16, warps, chunks in flight per warp) replaces the
-    default (bench/decode_linear_op.py)."""
+                      up=None, residual=None, gate=None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """decode_linear (hops/decode_linear.py: the prologue, F.linear, the gate, the residual add) for the
+    tensors mma_takes accepts; config (features a block / 16, warps, chunks in flight per warp) replaces
+    the default (bench/decode_linear_op.py). With a gate a block computes 8 x MT outputs from 16 x MT
+    weight rows: as many blocks as the whole projection (2 x width rows) takes without it."""
     n, k = weight.shape
     x2, up2 = _rows(x, k), (_rows(up, k) if up is not None else None)
     rows = x2.shape[0]
-    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    gate_start, up_start, out = gate if gate is not None else (0, 0, n)
+    y = torch.empty((rows, out), dtype=x.dtype, device=x.device)
     index = _index(x.device)
     mt, warps, unroll = config or default_config(n, index)
     func = _kernel(index, _DTYPES[x.dtype], mt, (rows + 7) // 8, warps, unroll, norm_weight is not None,
-                   up is not None)
+                   up is not None, gate is not None)
     if func is None:
         raise RuntimeError("decode_linear_mma: the kernel did not compile (the warning before says why)")
     pdl = pdl and _capability(index) >= (9, 0)  # griddepcontrol: Hopper and newer
@@ -318,10 +355,12 @@ def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *,
         return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
 
     args = [ptr(x2), ptr(weight), ptr(bias), ptr(residual), ptr(y), ptr(norm_weight), ptr(up2),
-            ctypes.c_float(eps), ctypes.c_int(rows), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(x2.stride(0)),
-            ctypes.c_int(up2.stride(0) if up2 is not None else 0), ctypes.c_int(int(pdl))]
-    _launch(func, (n + 16 * mt - 1) // (16 * mt), warps * 32, args, pdl, index)
-    return y.view(*x.shape[:-1], n)
+            ctypes.c_float(eps), ctypes.c_int(rows), ctypes.c_int(out), ctypes.c_int(k), ctypes.c_int(x2.stride(0)),
+            ctypes.c_int(up2.stride(0) if up2 is not None else 0), ctypes.c_int(int(pdl)), ctypes.c_int(gate_start),
+            ctypes.c_int(up_start)]
+    per_block = (8 if gate is not None else 16) * mt
+    _launch(func, (out + per_block - 1) // per_block, warps * 32, args, pdl, index)
+    return y.view(*x.shape[:-1], out)
 
 
 def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -334,7 +373,8 @@ def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll: int, norm: bool, gated: bool):
+def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll: int, norm: bool, gated: bool,
+            gate: bool = False):
     """The compiled kernel (a CUfunction) for this device and variant, or None where NVRTC is missing or
     the compile fails: said once per variant, and the op runs its reference."""
     from torch_ext import compat
@@ -342,7 +382,7 @@ def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll:
     compile_kernel = compat.cuda_kernel_compiler()
     if compile_kernel is None:
         return None
-    defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=int(norm), GATED=int(gated))
+    defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=int(norm), GATED=int(gated), GATE_EPILOGUE=int(gate))
     source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.replace("DTYPE", dtype)
     try:
         with torch.cuda.device(device_index):

@@ -242,3 +242,102 @@ def test_a_dynamic_graph_without_linears_gets_no_extra_compile_at_batch_one():
             torch.testing.assert_close(compiled(x), model(x))
     assert counters.graphs_seen == 1 and counters.compiles_by_variant["size=1"] == 0
     assert counters.compiles_by_variant["general"] == 1
+
+
+class GatedMLP(torch.nn.Module):
+    """A gated MLP whose gate and up come from one projection (as merging makes it, or a model writes
+    it), split in the ways models write; `near_miss` names a form the gate epilogue must not take."""
+
+    def __init__(self, form="chunk"):
+        super().__init__()
+        self.form = form
+        self.gate_up = torch.nn.Linear(DIM, 2 * HIDDEN, bias=True)
+        self.other = torch.nn.Linear(DIM, 2 * HIDDEN, bias=False)
+        self.down = torch.nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x):
+        x = x.tanh()
+        y = self.gate_up(x)
+        extra = 0
+        if self.form == "chunk":
+            gate, up = y.chunk(2, dim=-1)
+        elif self.form == "split":
+            gate, up = torch.split(y, [HIDDEN, HIDDEN], dim=-1)
+        elif self.form == "up_first":
+            up, gate = y.split(HIDDEN, dim=-1)
+        elif self.form == "rows":  # near miss: halves of the rows, not of the features
+            gate, up = y.chunk(2, dim=0)
+            return self.down(torch.nn.functional.silu(gate[..., :HIDDEN]) * up[..., :HIDDEN])
+        elif self.form == "two_calls":  # near miss: gate and up from different projections
+            gate, up = y.chunk(2, dim=-1)[0], self.other(x).chunk(2, dim=-1)[1]
+        elif self.form == "gate_read_twice":  # near miss: the gate's slice is read elsewhere too
+            gate, up = y.chunk(2, dim=-1)
+            extra = gate.sum()
+        return self.down(torch.nn.functional.silu(gate) * up) + extra
+
+
+def _gate_of(call):
+    return call.args[8] if len(call.args) > 8 else None
+
+
+@pytest.mark.parametrize("form,gate", [("chunk", [0, HIDDEN, HIDDEN]), ("split", [0, HIDDEN, HIDDEN]),
+                                       ("up_first", [HIDDEN, 0, HIDDEN])])
+def test_above_the_prologue_rows_the_gate_runs_in_the_gate_up_projections_epilogue(monkeypatch, form, gate):
+    """At 2..MAX_ROWS rows (the CUDA path) silu(gate) * up over two slices of one projection's output
+    becomes that projection's call with gate=[gate's start, up's start, width]: no kernel of its own.
+    At one row the down projection's prologue takes the gate instead (as before)."""
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    model = GatedMLP(form).to(torch.bfloat16).eval()
+    gm, fused, out, expected = _rewritten(model, torch.randn(4, 1, DIM, dtype=torch.bfloat16))
+    gate_up, down = _calls(gm)
+    assert fused == 1 and _gate_of(gate_up) == gate and not _fused_parts(down)
+    names = {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes}
+    assert not names & {"silu", "chunk", "split"}
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    gm, fused, out, expected = _rewritten(model, torch.randn(1, 1, DIM, dtype=torch.bfloat16))
+    gate_up, down = _calls(gm)
+    assert fused == 1 and _gate_of(gate_up) is None and _fused_parts(down) == {"up"}
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("form", ["rows", "two_calls", "gate_read_twice"])
+def test_gate_epilogue_near_misses_are_left_alone(monkeypatch, form):
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    gm, fused, out, expected = _rewritten(GatedMLP(form).to(torch.bfloat16).eval(),
+                                          torch.randn(4, 1, DIM, dtype=torch.bfloat16))
+    assert fused == 0 and all(_gate_of(c) is None for c in _calls(gm))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_the_gate_runs_as_eager_computes_it_and_a_bad_gate_is_refused():
+    """The op's reference (what every kernel must match): eager's silu over one slice times the other,
+    each rounded as eager rounds; a gate outside the projection is an error, not a short slice."""
+    from torch_ext.hops.decode_linear import decode_linear_reference
+
+    x, w, b = (torch.randn(3, DIM, dtype=torch.bfloat16), torch.randn(2 * HIDDEN, DIM, dtype=torch.bfloat16),
+               torch.randn(2 * HIDDEN, dtype=torch.bfloat16))
+    y = torch.nn.functional.linear(x, w, b)
+    expected = torch.nn.functional.silu(y[:, HIDDEN:]) * y[:, :HIDDEN]
+    out = torch.ops.torch_ext.decode_linear(x, w, b, False, gate=[HIDDEN, 0, HIDDEN])
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"not \[gate_start, up_start, width\]"):
+        decode_linear_reference(x, w, b, gate=[2 * HIDDEN - 8, 0, 16])
+
+
+def test_hf_llama_at_batch_four_runs_each_layers_gate_in_its_gate_up_projection(monkeypatch):
+    """HF Llama in bfloat16, a decode step at batch 4 through torch_ext.compile: q/k/v and gate/up merged,
+    every projection runs the op; per layer the gate (in gate/up's epilogue) and both residual adds fold
+    in, the norms stay Inductor's (PROLOGUE_MAX_ROWS); logits close to eager's over several steps."""
+    import torch_ext
+    from torch_ext.backend import CompileConfig, counters
+    import hf_models as hf
+
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    model = hf.build("llama").to(torch.bfloat16).eval()
+    compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True, decode_linear=True),
+                                 dynamic=False)
+    hf.decode_steps_match(model, compiled, batch=4, steps=3, tol=3e-2)
+    layers = model.config.num_hidden_layers
+    graphs = counters.graphs_seen  # the first decode token is a strided slice of the prompt: two graphs
+    assert graphs >= 1 and counters.decode_linear_calls == graphs * (4 * layers + 1)
+    assert counters.decode_linear_fusions == graphs * 3 * layers

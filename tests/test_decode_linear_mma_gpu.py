@@ -78,6 +78,30 @@ def test_fused_parts_equal_the_eager_formulation(pdl, dtype, rows, parts):
     assert _error(out, _expected(xp, w, None, args["residual"])) < 1e-2
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 32])
+@pytest.mark.parametrize("k,n,gate,bias,residual,config", [
+    (2048, 11264, [0, 5632, 5632], False, False, None),  # Llama's gate/up at the default config
+    (5632, 4096, [2048, 0, 2048], True, True, (1, 16, 2)),  # up first, 16 warps x 2 chunks (o and down)
+    (320, 50, [5, 27, 20], True, False, (2, 4, 1)),  # slices at odd offsets, a part tile, 2 m-tiles
+    (64, 16, [0, 8, 8], False, True, (1, 2, 2))])
+def test_gate_epilogue_equals_the_eager_formulation(pdl, rows, k, n, gate, bias, residual, config):
+    """gate=[gate_start, up_start, width]: silu(y[gate slice]) * y[up slice] (+ residual) written by the
+    kernel's epilogue, rounded where eager rounds (the projection, silu, the product)."""
+    x, w, b, _ = _inputs(rows, k, n, torch.bfloat16, bias, False, rows + n)
+    width = gate[2]
+    r = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) if residual else None
+    assert mma_takes(x, w, b, residual=r, gate=gate)
+    out = decode_linear_mma(x, w, b, pdl, residual=r, gate=gate, config=config)
+    y = _expected(x, w, b, None)
+    expected = torch.nn.functional.silu(y[:, gate[0]:gate[0] + width]) * y[:, gate[1]:gate[1] + width]
+    assert out.shape == (rows, width) and not out.isnan().any()
+    assert _error(out, expected if r is None else expected + r) < 1e-2
+    assert not mma_takes(x, w, b, gate=[n - width + 1, 0, width])  # a slice past the weight's rows
+    assert not mma_takes(x, w, b, residual=torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)[:, :width + 1],
+                         gate=gate)  # a residual of another shape
+
+
 def test_leading_dims_and_a_noncontiguous_input():
     x, w, b, _ = _inputs(12, 1024, 512, torch.bfloat16, True, False, 3)
     x3 = x.view(3, 4, 1024).transpose(0, 1)  # (4, 3, 1024), not contiguous
@@ -123,7 +147,7 @@ def test_hf_llama_in_bfloat16_at_batch_4_runs_the_path_fused_and_matches_eager(m
                                          decode_linear=True)
     layers = model.config.num_hidden_layers
     assert counters.decode_linear_calls == (4 * layers + 1) * counters.graphs_seen
-    per_layer = 5 if prologue_rows >= 4 else 2  # two norms and the gate, two residual adds
+    per_layer = 5 if prologue_rows >= 4 else 3  # two norms and the gate (else the gate epilogue), two adds
     assert counters.decode_linear_fusions == per_layer * layers * counters.graphs_seen
     assert launches
 

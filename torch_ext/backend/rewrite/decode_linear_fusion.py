@@ -1,5 +1,6 @@
 """What a decode layer runs around its projections of a few rows, folded into torch_ext::decode_linear calls
-(the norm and gate up to decode_linear's PROLOGUE_MAX_ROWS rows, the residual add at every row count).
+(the norm and gate into the next call's prologue up to decode_linear's PROLOGUE_MAX_ROWS rows, above
+that the gate into the gate/up projection's epilogue, the residual add at every row count).
 
 After rewrite/decode_linear.py a Llama-style layer (HF's RMSNorm, a gated MLP, residual adds) reads
 
@@ -13,6 +14,9 @@ Here, where the graph has exactly these forms (hops/decode_linear.py computes th
   - norm: a call whose input is such an RMSNorm's output, used by decode_linear calls alone, takes h1,
     g and eps instead (norm_weight=, eps=);
   - gate: a call whose input is silu(a) * b, used by decode_linear calls alone, takes a and up=b;
+  - gate epilogue (above PROLOGUE_MAX_ROWS rows, where decode_linear's CUDA path computes it): silu(a) * b
+    where a and b are equal-width slices (split / chunk along the last dim) of one call's output, used
+    only there, becomes that call with gate=[a's start, b's start, width];
   - residual: an add of a call's output (used by that add alone) and a tensor of the output's shape
     and dtype becomes the call with residual= (no broadcasting add).
 The nodes of a norm or gate left without users are erased. Fusing moves reads (the call reads the
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import operator
 
 import torch
 import torch.fx as fx
@@ -35,8 +40,9 @@ from torch_ext.hops import decode_linear as op_module
 log = logging.getLogger("torch_ext.backend")
 
 _CONVERSIONS = {"to", "float", "type_as", "half", "bfloat16"}
-# decode_linear's arguments by position: (x, weight, bias, prefetch, norm_weight, eps, up, residual)
-_X, _PREFETCH, _NORM_WEIGHT, _EPS, _UP, _RESIDUAL = 0, 3, 4, 5, 6, 7
+# decode_linear's arguments by position: (x, weight, bias, prefetch, norm_weight, eps, up, residual, gate)
+_X, _PREFETCH, _NORM_WEIGHT, _EPS, _UP, _RESIDUAL, _GATE = 0, 3, 4, 5, 6, 7, 8
+_OPTIONAL = (("norm_weight", None), ("eps", 0.0), ("up", None), ("residual", None), ("gate", None))
 
 
 def _op():
@@ -44,9 +50,9 @@ def _op():
 
 
 def _full_args(call: fx.Node) -> list:
-    """The call's arguments, all eight by position."""
-    args = list(call.args) + [None, 0.0, None, None][len(call.args) - 4:]
-    for i, name in ((_NORM_WEIGHT, "norm_weight"), (_EPS, "eps"), (_UP, "up"), (_RESIDUAL, "residual")):
+    """The call's arguments, all nine by position."""
+    args = list(call.args) + [default for _, default in _OPTIONAL][len(call.args) - 4:]
+    for i, (name, _) in enumerate(_OPTIONAL, start=_NORM_WEIGHT):
         if name in call.kwargs:
             args[i] = call.kwargs[name]
     return args
@@ -61,7 +67,7 @@ def _is_plain_call(node) -> bool:
     if not _is_call(node):
         return False
     args = _full_args(node)
-    return args[_NORM_WEIGHT] is None and args[_UP] is None and args[_RESIDUAL] is None
+    return all(args[i] is None for i in (_NORM_WEIGHT, _UP, _RESIDUAL, _GATE))
 
 
 def _tensor(node):
@@ -199,7 +205,12 @@ def _still_safe(args: list) -> tuple:
     the norm or gate kernel that made its input is gone (rewrite/decode_linear.py: why that matters)."""
     inputs = [args[_X], args[_UP], args[_RESIDUAL]]
     args[_PREFETCH] = args[_PREFETCH] and any(isinstance(t, fx.Node) and computed_in_graph(t) for t in inputs)
-    return tuple(args)
+    return _positional(args)
+
+
+def _positional(args: list) -> tuple:
+    """The arguments, without a gate left unset (graphs without one print as before it existed)."""
+    return tuple(args[:_GATE] if args[_GATE] is None else args)
 
 
 def _erase(gm: fx.GraphModule, nodes: list) -> None:
@@ -237,6 +248,9 @@ def fuse_into_decode_linear(gm: fx.GraphModule) -> int:
             _erase(gm, [node, silu])
             fused += 1
     for node in list(gm.graph.nodes):
+        if node.op in ("call_function", "call_method"):
+            fused += _fuse_gate_epilogue(gm, node)
+    for node in list(gm.graph.nodes):
         fused += _fuse_residual(gm, node)
     if fused:
         gm.graph.lint()
@@ -261,10 +275,59 @@ def _fuse_residual(gm: fx.GraphModule, add: fx.Node) -> int:
         args = _full_args(call)
         args[_RESIDUAL] = residual
         with gm.graph.inserting_before(add):
-            new = gm.graph.call_function(_op(), tuple(args))
+            new = gm.graph.call_function(_op(), _positional(args))
         new.meta = dict(add.meta)
         add.replace_all_uses_with(new)
         gm.graph.erase_node(add)
         gm.graph.erase_node(call)
         return 1
     return 0
+
+
+def _column_slice(node) -> tuple[fx.Node, int, int] | None:
+    """(call, start, width) where node is piece i of a split or chunk of a decode_linear call's output
+    along its last dim: the output's columns start..start + width."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return None
+    parts, index = node.args
+    if not (isinstance(parts, fx.Node) and op_name(parts) in ("split", "chunk", "split_with_sizes")
+            and isinstance(index, int) and parts.args and _is_call(parts.args[0])):
+        return None
+    call = parts.args[0]
+    dim = parts.args[2] if len(parts.args) > 2 else parts.kwargs.get("dim", 0)
+    value, pieces = _tensor(call), example_value(parts)
+    if value is None or not isinstance(pieces, (list, tuple)) or not _last_dim(dim, value.dim()):
+        return None
+    widths = [piece.shape[-1] if isinstance(piece, torch.Tensor) else None for piece in pieces]
+    index = index + len(widths) if index < 0 else index
+    if not 0 <= index < len(widths) or not all(isinstance(w, int) for w in widths[:index + 1]):
+        return None
+    return call, sum(widths[:index]), widths[index]
+
+
+def _fuse_gate_epilogue(gm: fx.GraphModule, mul: fx.Node) -> int:
+    """silu(a) * b over two slices of one plain call's output -> that call with gate= (module docstring)."""
+    gate = match_gate(mul)
+    if gate is None:
+        return 0
+    a, b, silu = gate
+    slice_a, slice_b = _column_slice(a), _column_slice(b)
+    if slice_a is None or slice_b is None or a is b or slice_a[0] is not slice_b[0] or slice_a[2] != slice_b[2]:
+        return 0
+    call, parts = slice_a[0], a.args[0]
+    value = _tensor(call)
+    if not (_is_plain_call(call) and value is not None and value.dim() >= 1
+            and op_module.serves_gate(value.numel() // value.shape[-1], value.dtype, value.device)):
+        return 0
+    # Every intermediate is private to the pattern (erased below) and nothing writes before the mul.
+    if not (set(call.users) == {parts} and set(parts.users) == {a, b} and set(a.users) == {silu}
+            and set(silu.users) == {mul} and set(b.users) == {mul} and not writes_between(call, mul)):
+        return 0
+    args = _full_args(call)
+    args[_GATE] = [slice_a[1], slice_b[1], slice_a[2]]
+    with gm.graph.inserting_before(mul):
+        new = gm.graph.call_function(_op(), _positional(args))
+    new.meta = dict(mul.meta)
+    mul.replace_all_uses_with(new)
+    _erase(gm, [mul, silu, b, a, parts, call])
+    return 1
