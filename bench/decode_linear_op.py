@@ -1,7 +1,7 @@
 """torch_ext::decode_linear's kernel paths against cuBLAS, on a chain of Llama-shaped projections.
 
     python bench/decode_linear_op.py [--rows 1,2,4,8] [--layers 16] [--shapes qkv,o] [--paths row,mma]
-                                     [--mma-configs 1x16x2,1x8x1]
+                                     [--mma-configs 1x16x2,1x8x1] [--mlp]
 
 A chain of qkv 6144x2048 -> o 2048x2048 -> gate_up 11264x2048 -> down 2048x5632, bf16, `rows` rows
 (each reading a fixed input: a kernel waits for the one before it all the same), in one CUDA graph: cuBLAS (torch.mm),
@@ -9,6 +9,12 @@ and the op's kernels ("row": the Triton GEMV, one row only; "mma": the CUDA path
 hops/decode_linear_mma.py),
 with and without programmatic dependent launch. ms per chain (median of interleaved rounds), x floor
 (weight bytes / copy bandwidth), x cuBLAS, and the relative error of one projection against float64.
+"mma pdl gate": the CUDA path with its gate epilogue on the gate_up projections (silu(gate) * up written
+by the projection; the chain's other projections as "mma pdl").
+
+--mlp: a chain of gated MLPs instead, each reading the one before (h = h + down(silu(gate) * up) of
+gate_up(h)): cuBLAS with eager's silu and mul, the CUDA path with them (two eager kernels between
+the projections), and the CUDA path with its gate epilogue (none between them).
 """
 from __future__ import annotations
 
@@ -40,7 +46,10 @@ def main() -> int:
     ap.add_argument("--mma-configs", default="", help="the CUDA path's m-tiles x warps x chunks in flight,... (with PDL)")
     ap.add_argument("--shapes", default="qkv,o,gate_up,down", help="which projections the chain holds")
     ap.add_argument("--paths", default="row,mma", help="which of the op's kernels to time beside cuBLAS")
+    ap.add_argument("--mlp", action="store_true", help="a chain of gated MLPs, each reading the one before")
     args = ap.parse_args()
+    if args.mlp:
+        return mlp_chain(args)
     shapes = [SHAPES[s] for s in args.shapes.split(",")]
     bandwidth = copy_bandwidth()
     weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
@@ -56,6 +65,8 @@ def main() -> int:
                 variants[f"{path}{' pdl' if pdl else ''}"] = (
                     (lambda x, w, pdl=pdl: decode_linear_mma(x, w, None, pdl)) if path == "mma" else
                     (lambda x, w, pdl=pdl: decode_linear_triton(x, w, None, pdl)))
+        if "mma" in paths:
+            variants["mma pdl gate"] = lambda x, w: decode_linear_mma(x, w, None, True, gate=_halves(w))
         for c in (c for c in args.mma_configs.split(",") if c):
             mt, warps, unroll = (int(v) for v in c.split("x"))
             variants[f"mma pdl m{mt} w{warps} u{unroll}"] = (
@@ -78,6 +89,53 @@ def main() -> int:
     print(f"\n{args.layers} layers of {args.shapes}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor_ms:.3f} ms; {args.rounds} interleaved rounds")
     print_table(["rows", "variant", "ms", "x floor", "x cuBLAS", "spread", "rel err"], table)
+    return 0
+
+
+def _halves(w):
+    """The gate epilogue's halves of a gate_up weight; None (no gate) for the other projections."""
+    n = w.shape[0]
+    return [0, n // 2, n // 2] if (n, w.shape[1]) == SHAPES["gate_up"] else None
+
+
+def mlp_chain(args) -> int:
+    bandwidth = copy_bandwidth()
+    (n_gu, k), (_, k_down) = SHAPES["gate_up"], SHAPES["down"]
+    layers = [(torch.randn(n_gu, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5,
+               torch.randn(k, k_down, dtype=torch.bfloat16, device="cuda") / k_down ** 0.5) for _ in range(args.layers)]
+    floor_ms = sum(a.numel() * 2 + b.numel() * 2 for a, b in layers) / bandwidth * 1e3
+    gate = [0, n_gu // 2, n_gu // 2]
+
+    def eager_gate(y):
+        return torch.nn.functional.silu(y[:, :n_gu // 2]) * y[:, n_gu // 2:]
+
+    variants = {
+        "cuBLAS": lambda h, wgu, wd: torch.addmm(h, eager_gate(torch.mm(h, wgu.t())), wd.t()),
+        "mma pdl, eager gate": lambda h, wgu, wd: decode_linear_mma(
+            eager_gate(decode_linear_mma(h, wgu, None, True)), wd, None, True, residual=h),
+        "mma pdl gate": lambda h, wgu, wd: decode_linear_mma(
+            decode_linear_mma(h, wgu, None, True, gate=gate), wd, None, True, residual=h),
+    }
+    table = []
+    for rows in [int(r) for r in args.rows.split(",")]:
+        start = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+        graphs, outs = {}, {}
+        for name, mlp in variants.items():
+            def chain(mlp=mlp):
+                h = start
+                for wgu, wd in layers:
+                    h = mlp(h, wgu, wd)
+                return h
+            graphs[name], outs[name] = capture(chain)
+        times = interleaved(graphs, args.rounds)
+        for name in graphs:
+            graphs[name].replay()
+            err = ((outs[name].double() - outs["cuBLAS"].double()).norm() / outs["cuBLAS"].double().norm()).item()
+            table.append([rows, name, *ratio_cells(times, name, "cuBLAS", floor_ms), f"{err:.1e}"])
+    print(f"\n{args.layers} gated MLPs 2048 -> 2x5632 -> 2048, bf16, {torch.cuda.get_device_name()}, torch "
+          f"{torch.__version__}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor_ms:.3f} ms; {args.rounds} "
+          f"interleaved rounds")
+    print_table(["rows", "variant", "ms", "x floor", "x cuBLAS", "spread", "rel err (vs cuBLAS)"], table)
     return 0
 
 
