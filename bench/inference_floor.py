@@ -150,11 +150,15 @@ def column_experiment(name: str):
         finally:
             torch.backends.cuda.preferred_blas_library(before)
         return
-    if name in ("ext-rows1", "ext-prologue8", "ext-nogate"):
+    if name in ("ext-rows1", "ext-prologue8", "ext-nogate", "ext-gate-late"):
         import torch_ext.hops.decode_linear as op
 
+        if name == "ext-gate-late":
+            import torch_ext.hops.decode_linear_mma as op
+
         field, value = {"ext-rows1": ("MAX_ROWS", 1), "ext-prologue8": ("PROLOGUE_MAX_ROWS", 8),
-                        "ext-nogate": ("serves_gate", lambda *args: False)}[name]
+                        "ext-nogate": ("serves_gate", lambda *args: False),
+                        "ext-gate-late": ("LATE_TRIGGER_GATE", True)}[name]
         before = getattr(op, field)
         setattr(op, field, value)
         try:
@@ -241,13 +245,21 @@ def kernel_breakdown(name: str, b: int, step, steps: int = 4, top: int = 40) -> 
     print_table(["kernel", "per step", "us per step", "us each"],
                 [[n[:90], f"{len(v) / steps:.0f}", f"{sum(v) / steps:.1f}", f"{sum(v) / len(v):.2f}"]
                  for n, v in rows[:top]])
+    # One layer in the middle of the last step, in launch order: under PDL a kernel starts before the
+    # one before it ends (a negative gap) and its time includes its wait.
+    last = sorted(kernels, key=lambda e: e.time_range.start)[-len(kernels) // steps:]
+    middle = len(last) // 2
+    layer = last[middle:middle + 14]
+    print_table(["kernel (a middle layer, launch order)", "start - previous end, us", "us"],
+                [[e.name[:70], f"{e.time_range.start - p.time_range.end:.1f}", f"{e.time_range.elapsed_us():.1f}"]
+                 for p, e in zip(last[middle - 1:], layer)])
 
 
 def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
     columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-nopdl", "ext-plain", "ext-pdl",
                               "ext-combo", "ext-nocombo", "ext-nofuse", "ext-nocg", "ext-nocg-nofuse",
-                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "ext-uncaptured", "ext-uncaptured-forced", "inductor", "ext-rows1", "ext-prologue8", "ext-nogate", "ext-attn1",
+                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "ext-uncaptured", "ext-uncaptured-forced", "inductor", "ext-rows1", "ext-prologue8", "ext-nogate", "ext-gate-late", "ext-attn1",
                               "ext-lt", "ext-cublas-lt"]
                if c in args.columns]
     columns += sorted(c for c in args.columns if c.startswith("ext-row-"))

@@ -34,6 +34,7 @@ import torch
 __all__ = ["MMA_MAX_ROWS", "decode_linear_mma", "default_config", "mma_takes"]
 
 MMA_MAX_ROWS = 32
+LATE_TRIGGER_GATE = False  # experiment (bench column ext-gate-late): the gate kernel lets the next launch at its end
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
 _SOURCE = r"""
@@ -195,7 +196,9 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
 #if __CUDA_ARCH__ >= 900
   if (pdl) {  // the weights are in flight; x and y belong to the kernels before until they finish
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#if EARLY_TRIGGER
     asm volatile("griddepcontrol.launch_dependents;");
+#endif
   }
 #endif
   Prologue pro;
@@ -346,7 +349,7 @@ def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *,
     index = _index(x.device)
     mt, warps, unroll = config or default_config(n, index)
     func = _kernel(index, _DTYPES[x.dtype], mt, (rows + 7) // 8, warps, unroll, norm_weight is not None,
-                   up is not None, gate is not None)
+                   up is not None, gate is not None, not (gate is not None and LATE_TRIGGER_GATE))
     if func is None:
         raise RuntimeError("decode_linear_mma: the kernel did not compile (the warning before says why)")
     pdl = pdl and _capability(index) >= (9, 0)  # griddepcontrol: Hopper and newer
@@ -374,7 +377,7 @@ def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll: int, norm: bool, gated: bool,
-            gate: bool = False):
+            gate: bool = False, early_trigger: bool = True):
     """The compiled kernel (a CUfunction) for this device and variant, or None where NVRTC is missing or
     the compile fails: said once per variant, and the op runs its reference."""
     from torch_ext import compat
@@ -382,7 +385,8 @@ def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll:
     compile_kernel = compat.cuda_kernel_compiler()
     if compile_kernel is None:
         return None
-    defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=int(norm), GATED=int(gated), GATE_EPILOGUE=int(gate))
+    defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=int(norm), GATED=int(gated), GATE_EPILOGUE=int(gate),
+                   EARLY_TRIGGER=int(early_trigger))
     source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.replace("DTYPE", dtype)
     try:
         with torch.cuda.device(device_index):
