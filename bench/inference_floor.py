@@ -41,6 +41,8 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
   ext-rows1   ext with decode_linear at one row only (cuBLAS and Inductor's norms from two rows up: the
               default before the op's CUDA path for 2-8 rows);
   ext-prologue8  ext with the norms and gates folded into decode_linear up to 8 rows (the default: one row)
+  ext-late-launch  ext with Inductor's kernels triggering their dependents after their last load (Inductor's
+              own placement; ext moves it to right after their first wait)
   ext-nogate  ext without the gate epilogue (silu(gate) * up as Inductor's kernel at 2-8 rows: the default
               before it)
   ext-row-n8-p1024-k512-w4 (any numbers): the one-row path's features a program, weight columns loaded
@@ -150,15 +152,17 @@ def column_experiment(name: str):
         finally:
             torch.backends.cuda.preferred_blas_library(before)
         return
-    if name in ("ext-rows1", "ext-prologue8", "ext-nogate", "ext-gate-late"):
+    if name in ("ext-rows1", "ext-prologue8", "ext-nogate", "ext-gate-late", "ext-late-launch"):
         import torch_ext.hops.decode_linear as op
 
         if name == "ext-gate-late":
             import torch_ext.hops.decode_linear_mma as op
+        if name == "ext-late-launch":
+            import torch_ext.backend.compile.decode_options as op
 
         field, value = {"ext-rows1": ("MAX_ROWS", 1), "ext-prologue8": ("PROLOGUE_MAX_ROWS", 8),
                         "ext-nogate": ("serves_gate", lambda *args: False),
-                        "ext-gate-late": ("LATE_TRIGGER_GATE", True)}[name]
+                        "ext-gate-late": ("LATE_TRIGGER_GATE", True), "ext-late-launch": ("EARLY_LAUNCH", False)}[name]
         before = getattr(op, field)
         setattr(op, field, value)
         try:
@@ -259,7 +263,8 @@ def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
     columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-nopdl", "ext-plain", "ext-pdl",
                               "ext-combo", "ext-nocombo", "ext-nofuse", "ext-nocg", "ext-nocg-nofuse",
-                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "ext-uncaptured", "ext-uncaptured-forced", "inductor", "ext-rows1", "ext-prologue8", "ext-nogate", "ext-gate-late", "ext-attn1",
+                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "ext-uncaptured", "ext-uncaptured-forced", "inductor", "ext-rows1", "ext-prologue8", "ext-nogate", "ext-gate-late", "ext-late-launch",
+                              "ext-attn1",
                               "ext-lt", "ext-cublas-lt"]
                if c in args.columns]
     columns += sorted(c for c in args.columns if c.startswith("ext-row-"))

@@ -2,6 +2,9 @@
 which of its options this torch has."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 
 def cpu_vec_isa_names() -> list[str] | None:
     """The vector ISAs Inductor found usable for C++ kernels in this process (it compiles and loads a
@@ -88,3 +91,55 @@ def has_inductor_pdl() -> bool:
     import torch._inductor.config as inductor_config
 
     return hasattr(inductor_config.triton, "enable_pdl")
+
+
+_early_launch = contextvars.ContextVar("torch_ext_early_dependent_launch", default=False)
+
+
+@contextlib.contextmanager
+def early_dependent_launch():
+    """While inside (this thread / context), Inductor's Triton kernels under `triton.enable_pdl` trigger
+    their dependents right after their first wait, not after their last load.
+
+    Why: Inductor writes `gdc_launch_dependents()` after a kernel's last load, so a decode layer's
+    small kernels (norms, rotary) let the next kernel launch only near their end, and our projection
+    after them cannot load its weights while they run (bench/results/NOTES_issue25.md: such kernels
+    started 0.0 us after the kernel before ended). Safe: the trigger still follows a wait in program
+    order, so when a dependent launches, everything before this kernel has completed, as Inductor's
+    own placement guarantees; each dependent waits for this kernel before reading what it writes.
+    `TritonKernel._filter_pdl` (2.11+; keeps a kernel's first wait and last trigger) is wrapped once,
+    and acts only inside this context."""
+    _install_early_launch()
+    token = _early_launch.set(True)
+    try:
+        yield
+    finally:
+        _early_launch.reset(token)
+
+
+def move_launch_after_first_wait(lines: list, wait: str, launch: str) -> bool:
+    """In a kernel body's lines: the trigger line placed right after the first wait (with its
+    indentation); False where there is no wait before the trigger (left alone)."""
+    first_wait = next((i for i, line in enumerate(lines) if type(line) is str and wait in line), None)
+    trigger = next((i for i, line in enumerate(lines) if type(line) is str and launch in line), None)
+    if first_wait is None or trigger is None or trigger < first_wait:
+        return False
+    lines.pop(trigger)
+    lines.insert(first_wait + 1, lines[first_wait].replace(wait, launch))
+    return True
+
+
+def _install_early_launch() -> None:
+    from torch._inductor.codegen.triton import TritonKernel
+
+    original = TritonKernel.__dict__.get("_filter_pdl")
+    if original is None or getattr(original, "_torch_ext_early_launch", False):
+        return
+
+    def _filter_pdl(self, code):
+        original(self, code)
+        if _early_launch.get():
+            move_launch_after_first_wait(code._lines, self.GDC_WAIT, self.GDC_LAUNCH)
+
+    _filter_pdl._torch_ext_early_launch = True
+    TritonKernel._filter_pdl = _filter_pdl

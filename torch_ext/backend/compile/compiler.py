@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from torch_ext import compat, workarounds
-from torch_ext.backend.compile.decode_options import decode_piece_patches
+from torch_ext.backend.compile.decode_options import decode_launch_order, decode_piece_patches, keyed_post_pass
 from torch_ext.backend.compile.example_values import restore_example_values
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.counters import counters
@@ -117,16 +117,16 @@ class InductorCompiler:
         # Workarounds for torch bugs win over the user's options: correct results first.
         patches = {**decode_piece_patches(gm, self.config.inductor_options), **self.config.inductor_options,
                    **workarounds.inductor_patches(gm)}
-        pm = self.pass_manager(variant)
-        if pm is not None:
-            patches["post_grad_custom_post_pass"] = pm
+        post_pass = keyed_post_pass(patches, self.pass_manager(variant))
+        if post_pass is not None:
+            patches["post_grad_custom_post_pass"] = post_pass
         options = {"config_patches": patches}
         start = time.perf_counter()
         token = _current_variant.set(variant)
         # Training pieces: what makes their artifact saveable on this torch (compat).
         functorch_patches = compat.saveable_training_patches() if torch.is_grad_enabled() else {}
         try:
-            with torch._functorch.config.patch(functorch_patches):
+            with torch._functorch.config.patch(functorch_patches), decode_launch_order(patches):
                 artifact = self._standalone_compile(gm, example_inputs, variant, options)
         except torch._dynamo.exc.TorchDynamoException:
             raise  # Dynamo's own control flow (e.g. restart with specialized float scalars)

@@ -4,9 +4,12 @@ Programmatic dependent launch (PDL): torch_ext::decode_linear's kernel loads its
 kernel before it has finished, and torch_ext::decode_attention's kernels launch early behind it
 (hops/pdl_kernels.py). That overlap happens only where the kernel before lets its dependents start
 early, which Inductor's Triton kernels do under `triton.enable_pdl` (each waits for its predecessor
-before touching data the predecessor wrote, and triggers its dependents after that wait). H100, HF
+before touching data the predecessor wrote, and triggers its dependents after its last load). H100, HF
 Llama 16x2048 decode (bench/inference_floor.py, bench/results/inference_floor_pdl_attention_*): batch 1
 1.029 ms without Inductor's PDL, 0.933 with it; batch 8 (no decode_linear there) 1.248 and 1.224.
+Inductor's trigger after the last load comes near a small kernel's end, so our kernel after a norm
+still started cold: in pieces compiled with PDL the trigger moves to right after the kernel's first
+wait (compat.early_dependent_launch: why that is safe; EARLY_LAUNCH, bench column ext-late-launch).
 
 Combo kernels (`combo_kernels`): between two of our kernels a decode layer has several small
 independent pointwise kernels of different sizes (rotary on q, rotary on k with its cache write, the v
@@ -20,14 +23,46 @@ torch has it measured (compat), unless the user's inductor_options set it (Compi
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from torch_ext import compat
 
 PDL_OPTION = "triton.enable_pdl"
 COMBO_OPTION = "combo_kernels"
 _OPS = ("decode_linear", "decode_attention")
+EARLY_LAUNCH = True  # Inductor's kernels in PDL pieces trigger their dependents right after their first wait
+
+
+def _early_launch(patches: dict) -> bool:
+    return EARLY_LAUNCH and bool(patches.get(PDL_OPTION)) and compat.has_inductor_pdl()
+
+
+def decode_launch_order(patches: dict):
+    """The context a piece compiles in: early dependent launch where its options turn PDL on."""
+    return compat.early_dependent_launch() if _early_launch(patches) else contextlib.nullcontext()
+
+
+def keyed_post_pass(patches: dict, post_pass):
+    """The post-grad pass to give Inductor: post_pass, wrapped where the launch order moves (the kernels'
+    code differs, the graph does not: Inductor's FX-graph cache must not hand back the other order)."""
+    return _LaunchOrderKey(post_pass) if _early_launch(patches) else post_pass
+
+
+class _LaunchOrderKey(CustomGraphPass):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, graph) -> None:
+        if self.inner is not None:
+            self.inner(graph)
+
+    def uuid(self):
+        inner = self.inner.uuid() if self.inner is not None else ""
+        return None if inner is None else f"early-dependent-launch|{inner}"
 
 
 def decode_piece_patches(gm: fx.GraphModule, user_options: dict) -> dict:
