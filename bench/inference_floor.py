@@ -43,8 +43,8 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
   ext-prologue8  ext with the norms and gates folded into decode_linear up to 8 rows (the default: one row)
   ext-late-launch  ext with Inductor's kernels triggering their dependents after their last load (Inductor's
               own placement; ext moves it to right after their first wait)
-  ext-nogate  ext without the gate epilogue (silu(gate) * up as Inductor's kernel at 2-8 rows: the default
-              before it)
+  ext-gate    ext with decode_linear's gate epilogue on (silu(gate) * up written by the merged gate/up
+              projection at 2-8 rows instead of an Inductor kernel; off by default: slower in this model)
   ext-row-n8-p1024-k512-w4 (any numbers): the one-row path's features a program, weight columns loaded
               before the wait, columns a tile, warps (default 4 / up to 2048 / 512 / 4)
   ext-attn1   ext with decode attention in one split (no combine launch; each program walks a whole row)
@@ -137,7 +137,7 @@ def make(name: str, model, root: str, serving: bool = False):
 
 @contextlib.contextmanager
 def column_experiment(name: str):
-    """What an experimental column (the module docstring's ext-rows1, ext-prologue8, ext-nogate, ext-row-*, ext-attn1, ext-lt,
+    """What an experimental column (the module docstring's ext-rows1, ext-prologue8, ext-gate, ext-late-launch, ext-row-*, ext-attn1, ext-lt,
     ext-cublas-lt) changes, while it compiles and captures its graphs: full CUDA graphs keep the
     launches they captured. ext-row-n<BLOCK_N>-p<PRE_K>-k<BLOCK_K>-w<warps> overrides the launch config
     of decode_linear's one-row path."""
@@ -152,17 +152,14 @@ def column_experiment(name: str):
         finally:
             torch.backends.cuda.preferred_blas_library(before)
         return
-    if name in ("ext-rows1", "ext-prologue8", "ext-nogate", "ext-gate-late", "ext-late-launch"):
+    if name in ("ext-rows1", "ext-prologue8", "ext-gate", "ext-late-launch"):
         import torch_ext.hops.decode_linear as op
 
-        if name == "ext-gate-late":
-            import torch_ext.hops.decode_linear_mma as op
         if name == "ext-late-launch":
             import torch_ext.backend.compile.decode_options as op
 
         field, value = {"ext-rows1": ("MAX_ROWS", 1), "ext-prologue8": ("PROLOGUE_MAX_ROWS", 8),
-                        "ext-nogate": ("serves_gate", lambda *args: False),
-                        "ext-gate-late": ("LATE_TRIGGER_GATE", True), "ext-late-launch": ("EARLY_LAUNCH", False)}[name]
+                        "ext-gate": ("GATE_EPILOGUE", True), "ext-late-launch": ("EARLY_LAUNCH", False)}[name]
         before = getattr(op, field)
         setattr(op, field, value)
         try:
@@ -263,7 +260,7 @@ def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
     columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-nopdl", "ext-plain", "ext-pdl",
                               "ext-combo", "ext-nocombo", "ext-nofuse", "ext-nocg", "ext-nocg-nofuse",
-                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "ext-uncaptured", "ext-uncaptured-forced", "inductor", "ext-rows1", "ext-prologue8", "ext-nogate", "ext-gate-late", "ext-late-launch",
+                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "ext-uncaptured", "ext-uncaptured-forced", "inductor", "ext-rows1", "ext-prologue8", "ext-gate", "ext-late-launch",
                               "ext-attn1",
                               "ext-lt", "ext-cublas-lt"]
                if c in args.columns]

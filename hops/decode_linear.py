@@ -12,13 +12,12 @@ memory bandwidth.
         up (..., K) like x: then x = silu(x) * up (a gated MLP's input to its down projection).
         gate [gate_start, up_start, width]: the output is silu(y[..., gate_start:gate_start + width]) *
         y[..., up_start:up_start + width] for the projection's y (a gated MLP's merged gate/up projection
-        and its product, at 2..MAX_ROWS rows: one kernel fewer a layer where the norm and gate are not
-        fused into the prologues). residual then has the product's shape.
+        and its product, at 2..MAX_ROWS rows; the rewrite uses it where GATE_EPILOGUE says).
+        residual then has the product's shape.
         residual (..., N or width): added to the output (a residual stream's add).
 
 The fused parts (rewrite/decode_linear_fusion.py puts them in) save a decode layer the launches and
-round trips of its norms, its gate and its residual adds (at 2..MAX_ROWS rows: its gate, in the
-gate/up projection's epilogue, and its residual adds).
+round trips of its norms, its gate and its residual adds (at 2..MAX_ROWS rows its residual adds).
 
 Why: at one row a projection is a GEMV whose kernel is short (2-18 us) and pays a ramp and a tail
 each time; cuBLAS's GEMVs ran a chain of Llama-shaped projections at 1.64x the bytes' floor on an
@@ -55,6 +54,13 @@ MAX_ROWS = 8
 # ran 1.298 ms with them fused against 1.179 with cuBLAS and Inductor's norms
 # (bench/results/inference_floor_mma_h100_torch2.11.log).
 PROLOGUE_MAX_ROWS = 1
+# Whether the rewrite puts a gated MLP's silu(gate) * up into its gate/up projection's epilogue at
+# 2..MAX_ROWS rows. Off: alone, a chain of 16 gated MLPs ran 0.781x cuBLAS with it against 0.902x with
+# an eager gate between the projections (8 rows, bench/results/decode_linear_mlp_h100_torch2.11.log),
+# but in HF Llama batch 8 the step was slower with it: 1.075 against 1.042 ms (the gate/up kernel
+# 21.3 us against 18.6: the down projection's blocks launch early behind it and load their weights
+# while it streams its own; bench/results/inference_floor_early_launch_h100_torch2.11.log).
+GATE_EPILOGUE = False
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -133,8 +139,9 @@ def serves(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def serves_gate(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the op's kernel computes a gate (the CUDA path, 2..MAX_ROWS rows) at this many rows."""
-    return rows > 1 and serves(rows, dtype, device)
+    """Whether the rewrite puts a gate into the op's call at this many rows (GATE_EPILOGUE; the CUDA
+    path, 2..MAX_ROWS rows, computes it)."""
+    return GATE_EPILOGUE and rows > 1 and serves(rows, dtype, device)
 
 
 def serves_prologue(rows: int, dtype: torch.dtype, device: torch.device) -> bool:

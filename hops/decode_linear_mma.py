@@ -18,7 +18,7 @@ no kernel of the graph writes weights (the rewrite checks), x is read only after
 With a gate (GATE_EPILOGUE: a gated MLP's merged gate/up projection) the epilogue writes
 silu(gate) * up itself: a fragment's rows g and g + 8 are the gate's and the up's weight rows of one
 output feature, so the lane that holds one half holds the other, and no kernel of its own runs the
-product (bench/results/NOTES_issue25.md: one launch fewer a layer, half the output written).
+product. The rewrite uses it only where hops/decode_linear.py's GATE_EPILOGUE says (off: measured).
 
 Compiled with NVRTC (torch.cuda._compile_kernel) on first use per (device, dtype, config); launched with
 cuLaunchKernelEx so that CUDA graph capture records the PDL edge, as Triton does for its kernels.
@@ -34,7 +34,6 @@ import torch
 __all__ = ["MMA_MAX_ROWS", "decode_linear_mma", "default_config", "mma_takes"]
 
 MMA_MAX_ROWS = 32
-LATE_TRIGGER_GATE = False  # experiment (bench column ext-gate-late): the gate kernel lets the next launch at its end
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
 _SOURCE = r"""
@@ -196,9 +195,7 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
 #if __CUDA_ARCH__ >= 900
   if (pdl) {  // the weights are in flight; x and y belong to the kernels before until they finish
     asm volatile("griddepcontrol.wait;" ::: "memory");
-#if EARLY_TRIGGER
     asm volatile("griddepcontrol.launch_dependents;");
-#endif
   }
 #endif
   Prologue pro;
@@ -349,7 +346,7 @@ def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *,
     index = _index(x.device)
     mt, warps, unroll = config or default_config(n, index)
     func = _kernel(index, _DTYPES[x.dtype], mt, (rows + 7) // 8, warps, unroll, norm_weight is not None,
-                   up is not None, gate is not None, not (gate is not None and LATE_TRIGGER_GATE))
+                   up is not None, gate is not None)
     if func is None:
         raise RuntimeError("decode_linear_mma: the kernel did not compile (the warning before says why)")
     pdl = pdl and _capability(index) >= (9, 0)  # griddepcontrol: Hopper and newer
@@ -377,7 +374,7 @@ def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll: int, norm: bool, gated: bool,
-            gate: bool = False, early_trigger: bool = True):
+            gate: bool = False):
     """The compiled kernel (a CUfunction) for this device and variant, or None where NVRTC is missing or
     the compile fails: said once per variant, and the op runs its reference."""
     from torch_ext import compat
@@ -385,8 +382,7 @@ def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll:
     compile_kernel = compat.cuda_kernel_compiler()
     if compile_kernel is None:
         return None
-    defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=int(norm), GATED=int(gated), GATE_EPILOGUE=int(gate),
-                   EARLY_TRIGGER=int(early_trigger))
+    defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=int(norm), GATED=int(gated), GATE_EPILOGUE=int(gate))
     source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.replace("DTYPE", dtype)
     try:
         with torch.cuda.device(device_index):

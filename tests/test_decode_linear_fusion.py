@@ -283,12 +283,20 @@ def _gate_of(call):
 @pytest.mark.parametrize("form,gate", [("chunk", [0, HIDDEN, HIDDEN]), ("split", [0, HIDDEN, HIDDEN]),
                                        ("up_first", [HIDDEN, 0, HIDDEN])])
 def test_above_the_prologue_rows_the_gate_runs_in_the_gate_up_projections_epilogue(monkeypatch, form, gate):
-    """At 2..MAX_ROWS rows (the CUDA path) silu(gate) * up over two slices of one projection's output
-    becomes that projection's call with gate=[gate's start, up's start, width]: no kernel of its own.
-    At one row the down projection's prologue takes the gate instead (as before)."""
+    """With GATE_EPILOGUE on, at 2..MAX_ROWS rows (the CUDA path) silu(gate) * up over two slices of one
+    projection's output becomes that projection's call with gate=[gate's start, up's start, width]: no
+    kernel of its own. At one row the down projection's prologue takes the gate instead (as before).
+    Off (the default: slower in HF Llama, hops/decode_linear.py) the gate is left to Inductor."""
+    from torch_ext.hops import decode_linear as op
+
     monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
     model = GatedMLP(form).to(torch.bfloat16).eval()
-    gm, fused, out, expected = _rewritten(model, torch.randn(4, 1, DIM, dtype=torch.bfloat16))
+    x = torch.randn(4, 1, DIM, dtype=torch.bfloat16)
+    gm, fused, out, expected = _rewritten(model, x)
+    assert fused == 0 and all(_gate_of(c) is None for c in _calls(gm))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    monkeypatch.setattr(op, "GATE_EPILOGUE", True)
+    gm, fused, out, expected = _rewritten(model, x)
     gate_up, down = _calls(gm)
     assert fused == 1 and _gate_of(gate_up) == gate and not _fused_parts(down)
     names = {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes}
@@ -302,6 +310,9 @@ def test_above_the_prologue_rows_the_gate_runs_in_the_gate_up_projections_epilog
 
 @pytest.mark.parametrize("form", ["rows", "two_calls", "gate_read_twice"])
 def test_gate_epilogue_near_misses_are_left_alone(monkeypatch, form):
+    from torch_ext.hops import decode_linear as op
+
+    monkeypatch.setattr(op, "GATE_EPILOGUE", True)
     monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
     gm, fused, out, expected = _rewritten(GatedMLP(form).to(torch.bfloat16).eval(),
                                           torch.randn(4, 1, DIM, dtype=torch.bfloat16))
@@ -325,13 +336,16 @@ def test_the_gate_runs_as_eager_computes_it_and_a_bad_gate_is_refused():
 
 
 def test_hf_llama_at_batch_four_runs_each_layers_gate_in_its_gate_up_projection(monkeypatch):
-    """HF Llama in bfloat16, a decode step at batch 4 through torch_ext.compile: q/k/v and gate/up merged,
-    every projection runs the op; per layer the gate (in gate/up's epilogue) and both residual adds fold
-    in, the norms stay Inductor's (PROLOGUE_MAX_ROWS); logits close to eager's over several steps."""
+    """HF Llama in bfloat16, a decode step at batch 4 through torch_ext.compile, GATE_EPILOGUE on: q/k/v and
+    gate/up merged, every projection runs the op; per layer the gate (in gate/up's epilogue) and both
+    residual adds fold in, the norms stay Inductor's (PROLOGUE_MAX_ROWS); logits close to eager's over
+    several steps."""
     import torch_ext
     from torch_ext.backend import CompileConfig, counters
+    from torch_ext.hops import decode_linear as op
     import hf_models as hf
 
+    monkeypatch.setattr(op, "GATE_EPILOGUE", True)
     monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
     model = hf.build("llama").to(torch.bfloat16).eval()
     compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True, decode_linear=True),

@@ -130,15 +130,19 @@ def test_a_chain_with_dependent_launch_in_a_cuda_graph_reads_each_input_complete
         lambda h, w: decode_linear_mma(h, w, None, True), rows=8)
 
 
-@pytest.mark.parametrize("mode,prologue_rows", [("full", 1), ("none", 1), ("full", 8)])
-def test_hf_llama_in_bfloat16_at_batch_4_runs_the_path_fused_and_matches_eager(monkeypatch, mode, prologue_rows):
+@pytest.mark.parametrize("mode,prologue_rows,gate", [("full", 1, False), ("none", 1, False), ("full", 8, False),
+                                                     ("full", 1, True)])
+def test_hf_llama_in_bfloat16_at_batch_4_runs_the_path_fused_and_matches_eager(monkeypatch, mode, prologue_rows,
+                                                                               gate):
     """A decode step of 4 sequences: every projection runs the CUDA path, with the layer's residual adds
-    inside (and its norms and gate where PROLOGUE_MAX_ROWS lets them in), logits equal eager's
+    inside (and its norms and gate where PROLOGUE_MAX_ROWS lets them in; the gate in gate/up's epilogue
+    where GATE_EPILOGUE is on), logits equal eager's
     (bfloat16 tolerance), weights scaled in place at step 3 are read."""
     import torch_ext.hops.decode_linear as op
     import torch_ext.hops.decode_linear_mma as module
 
     monkeypatch.setattr(op, "PROLOGUE_MAX_ROWS", prologue_rows)
+    monkeypatch.setattr(op, "GATE_EPILOGUE", gate)
     launches = []
     run = module.decode_linear_mma
     monkeypatch.setattr(module, "decode_linear_mma", lambda *a, **kw: launches.append(1) or run(*a, **kw))
@@ -147,7 +151,7 @@ def test_hf_llama_in_bfloat16_at_batch_4_runs_the_path_fused_and_matches_eager(m
                                          decode_linear=True)
     layers = model.config.num_hidden_layers
     assert counters.decode_linear_calls == (4 * layers + 1) * counters.graphs_seen
-    per_layer = 5 if prologue_rows >= 4 else 3  # two norms and the gate (else the gate epilogue), two adds
+    per_layer = 5 if prologue_rows >= 4 else 2 + gate  # two norms and the gate, two residual adds
     assert counters.decode_linear_fusions == per_layer * layers * counters.graphs_seen
     assert launches
 
