@@ -31,6 +31,8 @@ import warnings
 
 import torch
 
+from torch_ext.hops.cuda_launch import launch
+
 __all__ = ["MMA_MAX_ROWS", "decode_linear_mma", "default_config", "mma_takes"]
 
 MMA_MAX_ROWS = 32
@@ -359,7 +361,7 @@ def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *,
             ctypes.c_int(up2.stride(0) if up2 is not None else 0), ctypes.c_int(int(pdl)), ctypes.c_int(gate_start),
             ctypes.c_int(up_start)]
     per_block = (8 if gate is not None else 16) * mt
-    _launch(func, (out + per_block - 1) // per_block, warps * 32, args, pdl, index)
+    launch(func, (out + per_block - 1) // per_block, warps * 32, args, pdl, index)
     return y.view(*x.shape[:-1], out)
 
 
@@ -391,41 +393,3 @@ def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll:
         warnings.warn(f"torch_ext: decode_linear's CUDA path did not compile for {defines} on device {device_index} "
                       f"({type(e).__name__}: {str(e)[:500]}); those calls run F.linear", stacklevel=2)
         return None
-
-
-class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte value union
-    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_uint), ("value", ctypes.c_int), ("rest", ctypes.c_byte * 60)]
-
-
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
-
-
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-
-
-@functools.lru_cache(maxsize=None)
-def _driver():
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    return lib
-
-
-def _launch(func, blocks: int, threads: int, args: list, pdl: bool, device_index: int) -> None:
-    """cuLaunchKernelEx on the device's current stream, with the PDL attribute where pdl (a capture
-    records it as a programmatic edge)."""
-    from torch_ext import compat
-
-    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-    cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(blocks, 1, 1), block=(ctypes.c_uint * 3)(threads, 1, 1), shared=0,
-                        stream=ctypes.c_void_p(compat.current_raw_stream(device_index)),
-                        attrs=ctypes.pointer(attr) if pdl else None, num_attrs=1 if pdl else 0)
-    params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
-    if torch.cuda.current_device() == device_index:
-        result = _driver().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None)
-    else:  # the function belongs to the device's context
-        with torch.cuda.device(device_index):
-            result = _driver().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None)
-    if result != 0:
-        raise RuntimeError(f"decode_linear_mma: cuLaunchKernelEx failed with CUDA error {result}")
