@@ -69,3 +69,36 @@ def test_pieces_with_pdl_compile_early_and_key_the_cache_by_it(monkeypatch):
     assert not isinstance(decode_options.decode_launch_order({}), type(compat.early_dependent_launch()))
     monkeypatch.setattr(decode_options, "EARLY_LAUNCH", False)
     assert decode_options.keyed_post_pass(pdl, plain) is plain
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_a_piece_calling_the_op_compiles_inside_the_early_launch_context(monkeypatch, early):
+    """The wiring: a piece that calls decode_linear (on a "CUDA device with PDL", patched onto the CPU)
+    compiles inside compat.early_dependent_launch, unless EARLY_LAUNCH is off; results equal eager's."""
+    import contextlib
+
+    import torch
+
+    import torch_ext
+    from torch_ext.backend import CompileConfig
+    from torch_ext.backend.rewrite import decode_linear as rewrite
+
+    entered = []
+
+    @contextlib.contextmanager
+    def recording():
+        entered.append(True)
+        yield
+
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    monkeypatch.setattr(decode_options, "_has_cuda", lambda: True)
+    monkeypatch.setattr(decode_options, "_gpu_has_pdl", lambda: True)
+    monkeypatch.setattr(decode_options, "EARLY_LAUNCH", early)
+    monkeypatch.setattr(compat, "early_dependent_launch", recording)
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64)).eval()
+    compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, decode_linear=True), dynamic=False)
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    assert bool(entered) == early
