@@ -41,6 +41,7 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
   ext-rows1   ext with decode_linear at one row only (cuBLAS and Inductor's norms from two rows up: the
               default before the op's CUDA path for 2-8 rows);
   ext-prologue8  ext with the norms and gates folded into decode_linear up to 8 rows (the default: one row)
+  ext-norm8   ext with the norms alone folded in up to 8 rows (the gate left to Inductor)
   ext-late-launch  ext with Inductor's kernels triggering their dependents after their last load (Inductor's
               own placement; ext moves it to right after their first wait)
   ext-gate    ext with decode_linear's gate epilogue on (silu(gate) * up written by the merged gate/up
@@ -152,20 +153,23 @@ def column_experiment(name: str):
         finally:
             torch.backends.cuda.preferred_blas_library(before)
         return
-    if name in ("ext-rows1", "ext-prologue8", "ext-gate", "ext-late-launch"):
+    if name in ("ext-rows1", "ext-prologue8", "ext-norm8", "ext-gate", "ext-late-launch"):
+        import torch_ext.backend.compile.decode_options as options
         import torch_ext.hops.decode_linear as op
 
-        if name == "ext-late-launch":
-            import torch_ext.backend.compile.decode_options as op
-
-        field, value = {"ext-rows1": ("MAX_ROWS", 1), "ext-prologue8": ("PROLOGUE_MAX_ROWS", 8),
-                        "ext-gate": ("GATE_EPILOGUE", True), "ext-late-launch": ("EARLY_LAUNCH", False)}[name]
-        before = getattr(op, field)
-        setattr(op, field, value)
+        patches = {"ext-rows1": [(op, "MAX_ROWS", 1)],
+                   "ext-prologue8": [(op, "NORM_PROLOGUE_MAX_ROWS", 8), (op, "GATE_PROLOGUE_MAX_ROWS", 8)],
+                   "ext-norm8": [(op, "NORM_PROLOGUE_MAX_ROWS", 8)],
+                   "ext-gate": [(op, "GATE_EPILOGUE", True)],
+                   "ext-late-launch": [(options, "EARLY_LAUNCH", False)]}[name]
+        before = [(module, field, getattr(module, field)) for module, field, _ in patches]
+        for module, field, value in patches:
+            setattr(module, field, value)
         try:
             yield
         finally:
-            setattr(op, field, before)
+            for module, field, value in before:
+                setattr(module, field, value)
         return
     if not name.startswith("ext-row-"):
         yield
@@ -260,7 +264,7 @@ def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
     columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-nopdl", "ext-plain", "ext-pdl",
                               "ext-combo", "ext-nocombo", "ext-nofuse", "ext-nocg", "ext-nocg-nofuse",
-                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "ext-uncaptured", "ext-uncaptured-forced", "inductor", "ext-rows1", "ext-prologue8", "ext-gate", "ext-late-launch",
+                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "ext-uncaptured", "ext-uncaptured-forced", "inductor", "ext-rows1", "ext-prologue8", "ext-norm8", "ext-gate", "ext-late-launch",
                               "ext-attn1",
                               "ext-lt", "ext-cublas-lt"]
                if c in args.columns]

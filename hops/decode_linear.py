@@ -39,7 +39,7 @@ import torch
 from torch_ext.hops.fused_add_rms_norm import has_triton
 from torch_ext.hops.launch_policy import runs_reference
 
-__all__ = ["MAX_ROWS", "PROLOGUE_MAX_ROWS", "decode_linear", "decode_linear_reference", "decode_linear_triton",
+__all__ = ["GATE_PROLOGUE_MAX_ROWS", "MAX_ROWS", "NORM_PROLOGUE_MAX_ROWS", "decode_linear", "decode_linear_reference", "decode_linear_triton",
            "kernel_takes", "prologue_reference", "serves", "serves_gate", "serves_prologue"]
 
 # Rows (batch x tokens) the op runs a kernel of its own for; more run F.linear. One row: the Triton kernel
@@ -49,11 +49,13 @@ __all__ = ["MAX_ROWS", "PROLOGUE_MAX_ROWS", "decode_linear", "decode_linear_refe
 # multi-row paths (a tile per row, tl.dot; removed, in the history before commit 4d655c2) ran 2 rows at
 # 1.02x, 4 at 1.30x, 8 at 1.35x (bench/results/decode_linear_op_h100_torch2.11.log).
 MAX_ROWS = 8
-# Rows up to which the rewrite folds the norm and gate into the op (the residual add: every row count).
-# At 8 rows every block of the CUDA path redoes the prologue over all of x: HF Llama batch 8 on an H100
-# ran 1.298 ms with them fused against 1.179 with cuBLAS and Inductor's norms
-# (bench/results/inference_floor_mma_h100_torch2.11.log).
-PROLOGUE_MAX_ROWS = 1
+# Rows up to which the rewrite folds the norm, and the gate, into the op (the residual add: every row
+# count). At 8 rows every block of the CUDA path redoes a prologue over all of x: HF Llama batch 8 on an
+# H100 ran 1.298 ms with both fused against 1.179 with cuBLAS and Inductor's norms
+# (bench/results/inference_floor_mma_h100_torch2.11.log). The norm alone (a pass over x per block, in
+# L2) is not measured apart yet: bench column ext-norm8.
+NORM_PROLOGUE_MAX_ROWS = 1
+GATE_PROLOGUE_MAX_ROWS = 1
 # Whether the rewrite puts a gated MLP's silu(gate) * up into its gate/up projection's epilogue at
 # 2..MAX_ROWS rows. Off: alone, a chain of 16 gated MLPs ran 0.781x cuBLAS with it against 0.902x with
 # an eager gate between the projections (8 rows, bench/results/decode_linear_mlp_h100_torch2.11.log),
@@ -144,9 +146,10 @@ def serves_gate(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
     return GATE_EPILOGUE and rows > 1 and serves(rows, dtype, device)
 
 
-def serves_prologue(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the rewrite folds a norm or gate into the op's call at this many rows."""
-    return rows <= PROLOGUE_MAX_ROWS and serves(rows, dtype, device)
+def serves_prologue(rows: int, dtype: torch.dtype, device: torch.device, part: str) -> bool:
+    """Whether the rewrite folds a norm (part "norm") or gate ("gate") into the op's call at this many rows."""
+    limit = {"norm": NORM_PROLOGUE_MAX_ROWS, "gate": GATE_PROLOGUE_MAX_ROWS}[part]
+    return rows <= limit and serves(rows, dtype, device)
 
 
 def kernel_takes(x, weight, bias, norm_weight=None, up=None, residual=None) -> bool:

@@ -180,7 +180,7 @@ def test_nothing_is_fused_across_an_in_place_write(monkeypatch, form):
 
 def test_several_rows_of_a_16_bit_model_fold_their_residual_adds_and_float32_rows_stay_linear(monkeypatch):
     """Up to MAX_ROWS rows of float16 / bfloat16 run the op's CUDA path (hops/decode_linear_mma.py): their
-    residual adds fold into it; the norm and gate only up to PROLOGUE_MAX_ROWS (raised: all five, as at
+    residual adds fold into it; the norm and gate only up to NORM_ / GATE_PROLOGUE_MAX_ROWS (raised: all five, as at
     one row). Several float32 rows are left to F.linear (cuBLAS beats every kernel of ours there). The
     Triton kernel itself takes one row only; the op routes several rows elsewhere."""
     from torch_ext.hops import decode_linear as op
@@ -191,7 +191,12 @@ def test_several_rows_of_a_16_bit_model_fold_their_residual_adds_and_float32_row
     assert fused == 2
     assert [_fused_parts(c) for c in _calls(gm)] == [set(), {"residual"}, set(), set(), {"residual"}]
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    monkeypatch.setattr(op, "PROLOGUE_MAX_ROWS", 4)
+    monkeypatch.setattr(op, "NORM_PROLOGUE_MAX_ROWS", 4)
+    gm, fused, out, expected = _rewritten(Layer().to(torch.bfloat16).eval(), x)
+    assert fused == 4  # the norms alone: the gate stays Inductor's
+    assert [_fused_parts(c) for c in _calls(gm)] == [{"norm"}, {"residual"}, {"norm"}, {"norm"}, {"residual"}]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    monkeypatch.setattr(op, "GATE_PROLOGUE_MAX_ROWS", 4)
     gm, fused, out, expected = _rewritten(Layer().to(torch.bfloat16).eval(), x)
     assert fused == 5
     assert [_fused_parts(c) for c in _calls(gm)] == [{"norm"}, {"residual"}, {"norm"}, {"norm"}, {"up", "residual"}]
@@ -338,7 +343,7 @@ def test_the_gate_runs_as_eager_computes_it_and_a_bad_gate_is_refused():
 def test_hf_llama_at_batch_four_runs_each_layers_gate_in_its_gate_up_projection(monkeypatch):
     """HF Llama in bfloat16, a decode step at batch 4 through torch_ext.compile, GATE_EPILOGUE on: q/k/v and
     gate/up merged, every projection runs the op; per layer the gate (in gate/up's epilogue) and both
-    residual adds fold in, the norms stay Inductor's (PROLOGUE_MAX_ROWS); logits close to eager's over
+    residual adds fold in, the norms stay Inductor's (NORM_PROLOGUE_MAX_ROWS); logits close to eager's over
     several steps."""
     import torch_ext
     from torch_ext.backend import CompileConfig, counters

@@ -135,13 +135,14 @@ def test_a_chain_with_dependent_launch_in_a_cuda_graph_reads_each_input_complete
 def test_hf_llama_in_bfloat16_at_batch_4_runs_the_path_fused_and_matches_eager(monkeypatch, mode, prologue_rows,
                                                                                gate):
     """A decode step of 4 sequences: every projection runs the CUDA path, with the layer's residual adds
-    inside (and its norms and gate where PROLOGUE_MAX_ROWS lets them in; the gate in gate/up's epilogue
+    inside (and its norms and gate where NORM_ / GATE_PROLOGUE_MAX_ROWS let them in; the gate in gate/up's epilogue
     where GATE_EPILOGUE is on), logits equal eager's
     (bfloat16 tolerance), weights scaled in place at step 3 are read."""
     import torch_ext.hops.decode_linear as op
     import torch_ext.hops.decode_linear_mma as module
 
-    monkeypatch.setattr(op, "PROLOGUE_MAX_ROWS", prologue_rows)
+    monkeypatch.setattr(op, "NORM_PROLOGUE_MAX_ROWS", prologue_rows)
+    monkeypatch.setattr(op, "GATE_PROLOGUE_MAX_ROWS", prologue_rows)
     monkeypatch.setattr(op, "GATE_EPILOGUE", gate)
     launches = []
     run = module.decode_linear_mma

@@ -1,6 +1,7 @@
 """What a decode layer runs around its projections of a few rows, folded into torch_ext::decode_linear calls
-(the norm and gate into the next call's prologue up to decode_linear's PROLOGUE_MAX_ROWS rows, above
-that the gate into the gate/up projection's epilogue, the residual add at every row count).
+(the norm and gate into the next call's prologue up to decode_linear's NORM_ / GATE_PROLOGUE_MAX_ROWS rows,
+above that, where GATE_EPILOGUE says, the gate into the gate/up projection's epilogue; the residual add at
+every row count).
 
 After rewrite/decode_linear.py a Llama-style layer (HF's RMSNorm, a gated MLP, residual adds) reads
 
@@ -14,7 +15,7 @@ Here, where the graph has exactly these forms (hops/decode_linear.py computes th
   - norm: a call whose input is such an RMSNorm's output, used by decode_linear calls alone, takes h1,
     g and eps instead (norm_weight=, eps=);
   - gate: a call whose input is silu(a) * b, used by decode_linear calls alone, takes a and up=b;
-  - gate epilogue (above PROLOGUE_MAX_ROWS rows, where decode_linear's CUDA path computes it): silu(a) * b
+  - gate epilogue (a gate the prologue did not take, where GATE_EPILOGUE is on): silu(a) * b
     where a and b are equal-width slices (split / chunk along the last dim) of one call's output, used
     only there, becomes that call with gate=[a's start, b's start, width];
   - residual: an add of a call's output (used by that add alone) and a tensor of the output's shape
@@ -176,16 +177,16 @@ def match_gate(x: fx.Node):
     return None
 
 
-def _prologue_rows(node: fx.Node) -> bool:
-    """A value of a row count and dtype the op's kernels run the norm and gate prologues for."""
+def _prologue_rows(node: fx.Node, part: str) -> bool:
+    """A value of a row count and dtype the rewrite folds this prologue (norm or gate) in for."""
     value = _tensor(node)
     return (value is not None and value.dim() >= 1 and value.shape[-1] > 0
-            and op_module.serves_prologue(value.numel() // value.shape[-1], value.dtype, value.device))
+            and op_module.serves_prologue(value.numel() // value.shape[-1], value.dtype, value.device, part))
 
 
-def _only_read_as_input(node: fx.Node) -> bool:
-    """Every user of node is a plain decode_linear call reading it as x, of rows the prologues serve."""
-    return bool(node.users) and _prologue_rows(node) and all(
+def _only_read_as_input(node: fx.Node, part: str) -> bool:
+    """Every user of node is a plain decode_linear call reading it as x, of rows the prologue serves."""
+    return bool(node.users) and _prologue_rows(node, part) and all(
         _is_plain_call(u) and u.args[_X] is node and sum(a is node for a in u.all_input_nodes) == 1
         for u in node.users)
 
@@ -226,7 +227,7 @@ def fuse_into_decode_linear(gm: fx.GraphModule) -> int:
     for node in list(gm.graph.nodes):
         if node.op not in ("call_function", "call_method"):
             continue
-        norm = match_rms_norm(node) if _only_read_as_input(node) else None
+        norm = match_rms_norm(node) if _only_read_as_input(node, "norm") else None
         if (norm is not None and _private(norm[3], node)
                 and not any(writes_between(_first(norm[3], order), call) for call in node.users)):
             h, g, eps, nodes = norm
@@ -237,7 +238,7 @@ def fuse_into_decode_linear(gm: fx.GraphModule) -> int:
             _erase(gm, [node] + nodes)
             fused += 1
             continue
-        gate = match_gate(node) if _only_read_as_input(node) else None
+        gate = match_gate(node) if _only_read_as_input(node, "gate") else None
         if (gate is not None and set(gate[2].users) == {node}
                 and not any(writes_between(_first([gate[2], node], order), call) for call in node.users)):
             a, b, silu = gate
