@@ -9,9 +9,6 @@ and the op's kernels ("row": the Triton GEMV, one row only; "mma": the CUDA path
 hops/decode_linear_mma.py),
 with and without programmatic dependent launch. ms per chain (median of interleaved rounds), x floor
 (weight bytes / copy bandwidth), x cuBLAS, and the relative error of one projection against float64.
-"mma pdl gate": the CUDA path with its gate epilogue on the gate_up projections (silu(gate) * up written
-by the projection; the chain's other projections as "mma pdl").
-
 --mlp: a chain of gated MLPs instead, each reading the one before (h = h + down(silu(gate) * up) of
 gate_up(h)): cuBLAS with eager's silu and mul, the CUDA path with them (two eager kernels between
 the projections), and the CUDA path with its gate epilogue (none between them).
@@ -65,8 +62,6 @@ def main() -> int:
                 variants[f"{path}{' pdl' if pdl else ''}"] = (
                     (lambda x, w, pdl=pdl: decode_linear_mma(x, w, None, pdl)) if path == "mma" else
                     (lambda x, w, pdl=pdl: decode_linear_triton(x, w, None, pdl)))
-        if "mma" in paths:
-            variants["mma pdl gate"] = lambda x, w: decode_linear_mma(x, w, None, True, gate=_halves(w))
         for c in (c for c in args.mma_configs.split(",") if c):
             mt, warps, unroll = (int(v) for v in c.split("x"))
             variants[f"mma pdl m{mt} w{warps} u{unroll}"] = (
@@ -90,12 +85,6 @@ def main() -> int:
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor_ms:.3f} ms; {args.rounds} interleaved rounds")
     print_table(["rows", "variant", "ms", "x floor", "x cuBLAS", "spread", "rel err"], table)
     return 0
-
-
-def _halves(w):
-    """The gate epilogue's halves of a gate_up weight; None (no gate) for the other projections."""
-    n = w.shape[0]
-    return [0, n // 2, n // 2] if (n, w.shape[1]) == SHAPES["gate_up"] else None
 
 
 def mlp_chain(args) -> int:

@@ -36,6 +36,7 @@ import functools
 
 import torch
 
+from torch_ext.hops import decode_linear_mma as mma  # its functions looked up per call: tests wrap them
 from torch_ext.hops.fused_add_rms_norm import has_triton
 from torch_ext.hops.launch_policy import runs_reference
 
@@ -86,11 +87,9 @@ def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=No
     if runs_reference("decode_linear") or not 0 < rows <= MAX_ROWS:
         return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual, gate)
     if rows > 1 or gate is not None:  # the CUDA path (Triton's multi-row paths lose to cuBLAS: the docstring)
-        from torch_ext.hops.decode_linear_mma import decode_linear_mma, mma_takes
-
-        if mma_takes(x, weight, bias, norm_weight, up, residual, gate):
-            return decode_linear_mma(x, weight, bias, prefetch, norm_weight=norm_weight, eps=eps, up=up,
-                                     residual=residual, gate=gate)
+        if mma.mma_takes(x, weight, bias, norm_weight, up, residual, gate):
+            return mma.decode_linear_mma(x, weight, bias, prefetch, norm_weight=norm_weight, eps=eps, up=up,
+                                         residual=residual, gate=gate)
         return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual, gate)
     if not (has_triton() and kernel_takes(x, weight, bias, norm_weight, up, residual)):
         return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual)
@@ -113,9 +112,7 @@ def decode_linear_reference(x, weight, bias, norm_weight=None, eps: float = 0.0,
 def _check_gate(gate, n: int) -> None:
     """A gate names two slices of the projection's n outputs (the rewrite builds it; a hand-written call
     gets this error rather than a silently short slice)."""
-    if gate is None:
-        return
-    if len(gate) != 3 or gate[2] <= 0 or not all(0 <= s and s + gate[2] <= n for s in gate[:2]):
+    if gate is not None and not mma.gate_fits(gate, n):
         raise ValueError(f"decode_linear: gate {list(gate)} is not [gate_start, up_start, width] with both "
                          f"slices inside the projection's {n} outputs")
 

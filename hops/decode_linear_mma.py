@@ -33,7 +33,7 @@ import torch
 
 from torch_ext.hops.cuda_launch import launch
 
-__all__ = ["MMA_MAX_ROWS", "decode_linear_mma", "default_config", "mma_takes"]
+__all__ = ["MMA_MAX_ROWS", "decode_linear_mma", "default_config", "gate_fits", "mma_takes"]
 
 MMA_MAX_ROWS = 32
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -310,7 +310,7 @@ def mma_takes(x: torch.Tensor, weight: torch.Tensor, bias=None, norm_weight=None
     if not (x.is_cuda and x.dtype in _DTYPES and 1 <= rows <= MMA_MAX_ROWS and k % 64 == 0 and n > 0
             and plain(weight, (n, k), aligned=True) and plain(bias, (n,)) and plain(norm_weight, (k,), aligned=True)
             and (up is None or up.dtype == x.dtype and up.shape == x.shape and up.device == x.device)
-            and plain(residual, (*x.shape[:-1], out)) and (gate is None or _gate_fits(gate, n))):
+            and plain(residual, (*x.shape[:-1], out)) and (gate is None or gate_fits(gate, n))):
         return False
     index = _index(x.device)
     if _capability(index) < (8, 0):
@@ -320,9 +320,10 @@ def mma_takes(x: torch.Tensor, weight: torch.Tensor, bias=None, norm_weight=None
                    up is not None, gate is not None) is not None
 
 
-def _gate_fits(gate, n: int) -> bool:
-    gate_start, up_start, width = gate
-    return width > 0 and all(0 <= start and start + width <= n for start in (gate_start, up_start))
+def gate_fits(gate, n: int) -> bool:
+    """gate is [gate_start, up_start, width] naming two slices inside a projection's n outputs (the op's
+    reference and fake check it too: hops/decode_linear.py)."""
+    return len(gate) == 3 and gate[2] > 0 and all(0 <= start and start + gate[2] <= n for start in gate[:2])
 
 
 def _index(device: torch.device) -> int:
@@ -376,7 +377,7 @@ def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll: int, norm: bool, gated: bool,
-            gate: bool = False):
+            gate_epilogue: bool = False):
     """The compiled kernel (a CUfunction) for this device and variant, or None where NVRTC is missing or
     the compile fails: said once per variant, and the op runs its reference."""
     from torch_ext import compat
@@ -384,7 +385,7 @@ def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll:
     compile_kernel = compat.cuda_kernel_compiler()
     if compile_kernel is None:
         return None
-    defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=int(norm), GATED=int(gated), GATE_EPILOGUE=int(gate))
+    defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=int(norm), GATED=int(gated), GATE_EPILOGUE=int(gate_epilogue))
     source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.replace("DTYPE", dtype)
     try:
         with torch.cuda.device(device_index):

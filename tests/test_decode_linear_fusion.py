@@ -251,7 +251,8 @@ def test_a_dynamic_graph_without_linears_gets_no_extra_compile_at_batch_one():
 
 class GatedMLP(torch.nn.Module):
     """A gated MLP whose gate and up come from one projection (as merging makes it, or a model writes
-    it), split in the ways models write; `near_miss` names a form the gate epilogue must not take."""
+    it), split in the ways models write; the forms "rows", "two_calls" and "gate_read_twice" are near
+    misses the gate epilogue must not take."""
 
     def __init__(self, form="chunk"):
         super().__init__()

@@ -43,7 +43,6 @@ log = logging.getLogger("torch_ext.backend")
 _CONVERSIONS = {"to", "float", "type_as", "half", "bfloat16"}
 # decode_linear's arguments by position: (x, weight, bias, prefetch, norm_weight, eps, up, residual, gate)
 _X, _PREFETCH, _NORM_WEIGHT, _EPS, _UP, _RESIDUAL, _GATE = 0, 3, 4, 5, 6, 7, 8
-_OPTIONAL = (("norm_weight", None), ("eps", 0.0), ("up", None), ("residual", None), ("gate", None))
 
 
 def _op():
@@ -51,11 +50,12 @@ def _op():
 
 
 def _full_args(call: fx.Node) -> list:
-    """The call's arguments, all nine by position."""
-    args = list(call.args) + [default for _, default in _OPTIONAL][len(call.args) - 4:]
-    for i, (name, _) in enumerate(_OPTIONAL, start=_NORM_WEIGHT):
-        if name in call.kwargs:
-            args[i] = call.kwargs[name]
+    """The call's arguments, all nine by position (the optional ones' defaults from the op's schema)."""
+    optional = _op()._schema.arguments[_NORM_WEIGHT:]
+    args = list(call.args) + [a.default_value for a in optional][len(call.args) - _NORM_WEIGHT:]
+    for i, a in enumerate(optional, start=_NORM_WEIGHT):
+        if a.name in call.kwargs:
+            args[i] = call.kwargs[a.name]
     return args
 
 
