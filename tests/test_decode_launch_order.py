@@ -102,3 +102,32 @@ def test_a_piece_calling_the_op_compiles_inside_the_early_launch_context(monkeyp
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
     assert bool(entered) == early
+
+
+def test_a_users_own_post_grad_pass_still_runs_in_an_early_launch_piece(monkeypatch):
+    """inductor_options' post_grad_custom_post_pass is kept (wrapped for the cache key) where torch_ext
+    adds no passes of its own: the early-launch key must not replace it."""
+    import torch
+
+    import torch_ext
+    from torch_ext.backend import CompileConfig
+    from torch_ext.backend.rewrite import decode_linear as rewrite
+
+    seen = []
+
+    def user_pass(graph):  # a plain callable: no uuid, so Inductor's cache is bypassed
+        seen.append(len(graph.nodes))
+
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    monkeypatch.setattr(decode_options, "_has_cuda", lambda: True)
+    monkeypatch.setattr(decode_options, "_gpu_has_pdl", lambda: True)
+    assert decode_options.keyed_post_pass({decode_options.PDL_OPTION: True}, user_pass).uuid() is None
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64)).eval()
+    config = CompileConfig(cache_dir=None, decode_linear=True, unfuse_output_addmm=False,  # no passes of ours
+                           inductor_options={"post_grad_custom_post_pass": user_pass})
+    compiled = torch_ext.compile(model, config, dynamic=False)
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    assert seen

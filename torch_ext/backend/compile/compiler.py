@@ -117,7 +117,9 @@ class InductorCompiler:
         # Workarounds for torch bugs win over the user's options: correct results first.
         patches = {**decode_piece_patches(gm, self.config.inductor_options), **self.config.inductor_options,
                    **workarounds.inductor_patches(gm)}
-        post_pass = keyed_post_pass(patches, self.pass_manager(variant))
+        pm = self.pass_manager(variant)
+        # Without passes of ours the user's own post-grad pass (inductor_options) stays, keyed or not.
+        post_pass = keyed_post_pass(patches, pm if pm is not None else patches.get("post_grad_custom_post_pass"))
         if post_pass is not None:
             patches["post_grad_custom_post_pass"] = post_pass
         options = {"config_patches": patches}

@@ -61,7 +61,10 @@ class _LaunchOrderKey(CustomGraphPass):
             self.inner(graph)
 
     def uuid(self):
-        inner = self.inner.uuid() if self.inner is not None else ""
+        """None (Inductor then bypasses its cache) where the inner pass has no key of its own."""
+        if self.inner is None:
+            return "early-dependent-launch|"
+        inner = self.inner.uuid() if hasattr(self.inner, "uuid") else None
         return None if inner is None else f"early-dependent-launch|{inner}"
 
 
