@@ -53,8 +53,9 @@ MAX_ROWS = 8
 # Rows up to which the rewrite folds the norm, and the gate, into the op (the residual add: every row
 # count). At 8 rows every block of the CUDA path redoes a prologue over all of x: HF Llama batch 8 on an
 # H100 ran 1.298 ms with both fused against 1.179 with cuBLAS and Inductor's norms
-# (bench/results/inference_floor_mma_h100_torch2.11.log). The norm alone (a pass over x per block, in
-# L2) is not measured apart yet: bench column ext-norm8.
+# (bench/results/inference_floor_mma_h100_torch2.11.log). The norm alone at 8 rows (bench column
+# ext-norm8: a pass over x per block, in L2) still lost: 1.091 against 1.058 ms
+# (bench/results/inference_floor_norm8_h100_torch2.11.log).
 NORM_PROLOGUE_MAX_ROWS = 1
 GATE_PROLOGUE_MAX_ROWS = 1
 # Whether the rewrite puts a gated MLP's silu(gate) * up into its gate/up projection's epilogue at
