@@ -157,3 +157,33 @@ def test_pickles_with_the_same_identity():
     clone = pickle.loads(pickle.dumps(manager))
     assert clone.uuid() == manager.uuid()
     assert repr(clone).startswith("PassManager([FuseAddRMSNormPass(dtypes=")
+
+
+def test_a_users_own_post_pass_runs_after_ours_and_keys_the_manager(load_pass):
+    """CompileConfig.inductor_options' post_grad_custom_post_pass (`then`) runs after our passes, never
+    instead of them; its uuid joins ours, and a pass without one leaves the manager without one."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    seen = []
+
+    class UserPass(CustomGraphPass):
+        def __init__(self, version):
+            self.version = version
+
+        def __call__(self, graph):
+            seen.append(targets(graph))
+
+        def uuid(self):
+            return f"user-pass-{self.version}"
+
+    to_abs = load_pass("pass_then")
+    g = neg_graph()
+    manager = PassManager([to_abs()], then=UserPass(1))
+    manager(g)
+    assert seen == [[torch.ops.aten.abs.default]]  # ours ran first
+    alone = PassManager([to_abs()]).uuid()
+    assert manager.uuid() not in (None, alone)
+    assert manager.uuid() != PassManager([to_abs()], then=UserPass(2)).uuid()
+    assert PassManager([to_abs()], then=lambda graph: None).uuid() is None  # a plain function: no key
+    with pytest.raises(TypeError, match="then must be a callable"):
+        PassManager([], then="not a pass")

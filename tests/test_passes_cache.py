@@ -68,3 +68,46 @@ def test_unchanged_pass_hits_and_changed_pass_misses(case):
 
     no_pass, _ = _run(model, inputs, cache_dir, ())
     assert no_pass["cache_hits"] == 0  # the unfused artifact is a different entry too
+
+
+def test_a_users_own_post_pass_runs_beside_ours_and_is_cached_by_its_uuid(case, caplog):
+    """inductor_options' post_grad_custom_post_pass used to be replaced by our PassManager wherever torch_ext
+    has passes (the default unfuse_output_addmm). Now it runs after them; with a uuid it keys the disk cache,
+    without one nothing compiled with it is written there (said once)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    model, inputs, cache_dir = case
+    calls = []
+
+    class Counting(CustomGraphPass):
+        def __init__(self, version):
+            self.version = version
+
+        def __call__(self, graph):
+            calls.append(self.version)
+
+        def uuid(self):
+            return f"counting-{self.version}"
+
+    def run(user_pass):
+        torch._dynamo.reset()
+        counters.reset()
+        config = CompileConfig(cache_dir=str(cache_dir), inductor_options={"post_grad_custom_post_pass": user_pass})
+        assert config.unfuse_output_addmm  # a pass of ours is configured
+        with torch.no_grad(), fresh_inductor_cache():
+            torch.testing.assert_close(torch.compile(model, backend=make_backend(config))(*inputs), model(*inputs))
+        return counters.snapshot()
+
+    cold = run(Counting(1))
+    assert calls == [1] * cold["inductor_compiles"] and cold["inductor_compiles"] >= 1
+    assert run(Counting(1))["cache_hits"] == cold["cache_misses"]  # same uuid: loaded
+    changed = run(Counting(2))
+    assert changed["cache_hits"] == 0 and 2 in calls  # another uuid: compiled again, with it
+
+    plain_calls = []
+    with caplog.at_level("WARNING", logger="torch_ext"):
+        for _ in range(2):
+            stats = run(lambda graph: plain_calls.append(len(graph.nodes)))
+            assert stats["cache_hits"] == 0 and stats["cache_misses"] == 0 and stats["inductor_compiles"] >= 1
+    assert len(plain_calls) >= 2
+    assert sum("has no uuid()" in r.getMessage() for r in caplog.records) == 2  # once per backend

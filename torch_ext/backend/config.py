@@ -139,6 +139,16 @@ def _resolve_function(name: str) -> Any:
           "Name an operator as 'namespace::name', or a function Dynamo keeps as one call as 'module.function'")
 
 
+def _option_key(value: Any) -> str:
+    """An Inductor option's part of the artifact hash: a custom graph pass by its uuid (its repr names an
+    object address, new in every process), anything else by repr."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    if isinstance(value, CustomGraphPass):
+        return f"{type(value).__qualname__} uuid={value.uuid()!r}"
+    return repr(value)
+
+
 def _as_int_tuple(field: str, value: Any) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         _fail(field, f"expected a sequence of ints, got {value!r}", f"Write e.g. {field}=(8, 32)")
@@ -337,7 +347,7 @@ class CompileConfig:
         factors = {
             "splitting_ops": list(self.splitting_ops),
             "compile_ranges_split_points": list(self.compile_ranges_split_points),
-            "inductor_options": {str(k): repr(v) for k, v in sorted(self.inductor_options.items())},
+            "inductor_options": {str(k): _option_key(v) for k, v in sorted(self.inductor_options.items())},
             "hop_split": self.hop_split,
             "merge_projections": self.merge_projections,
             "decode_attention": self.uses("decode_attention"),

@@ -49,7 +49,7 @@ class VariantBuilder:
         return fn
 
     def _load_or_compile(self, piece_name, gm, variant, example_inputs, store, name) -> tuple[Callable, bytes | None]:
-        if store is None:
+        if store is None or not self.compiler.disk_cacheable():
             return self.compiler.compile(gm, example_inputs, variant, name=piece_name), None
         inductor_keys.prime(self.compiler.config.cache_dir)  # before Inductor computes it
         result = self._load_or_compile_cached(piece_name, gm, variant, example_inputs, store, name)

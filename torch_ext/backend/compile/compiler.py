@@ -66,6 +66,16 @@ def _fake_mode_of(values):
     return None
 
 
+def _user_pass_key(config: CompileConfig) -> str | None:
+    """The uuid of the user's own post-grad pass (inductor_options), '' where none is set, None where it has none."""
+    user_pass = config.inductor_options.get("post_grad_custom_post_pass")
+    if user_pass is None:
+        return ""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return user_pass.uuid() if isinstance(user_pass, CustomGraphPass) else None
+
+
 def _load_pass_manager():
     from torch_ext.backend.passes import PassManager  # owned by the passes engineer; imported on use
 
@@ -78,6 +88,7 @@ class InductorCompiler:
     def __init__(self, config: CompileConfig):
         self.config = config
         self._pass_managers: dict[int | None, Any] = {}
+        self._said_uncacheable = False
 
     def pass_manager(self, variant: Variant):
         """The post-grad PassManager for this variant, or None when no passes are configured."""
@@ -97,13 +108,31 @@ class InductorCompiler:
                 from torch_ext.backend.passes import UnfuseOutputAddmm
 
                 passes = (UnfuseOutputAddmm(),) + passes
-            self._pass_managers[size] = pass_manager_cls(passes, compile_size=size)
+            # The user's own post-grad pass (inductor_options) runs after ours: neither replaces the other.
+            then = self.config.inductor_options.get("post_grad_custom_post_pass")
+            self._pass_managers[size] = pass_manager_cls(passes, compile_size=size, then=then)
         return self._pass_managers[size]
 
     def key_factors(self, variant: Variant) -> str:
         """What, besides the piece graph and the config, decides the compiled code of this variant."""
         pm = self.pass_manager(variant)
-        return f"{variant.label}|passes={pm.uuid() if pm is not None else ''}|grad={torch.is_grad_enabled()}"
+        return (f"{variant.label}|passes={pm.uuid() if pm is not None else ''}|user_pass={_user_pass_key(self.config)}"
+                f"|grad={torch.is_grad_enabled()}")
+
+    def disk_cacheable(self) -> bool:
+        """Whether compiled pieces may go to the disk cache: not where the user's own post-grad pass
+        (inductor_options) has no uuid, since a later process could not tell an edited pass from this
+        one. Inductor's own cache bypasses such a pass too. Said once per compiler."""
+        user_pass = self.config.inductor_options.get("post_grad_custom_post_pass")
+        if user_pass is None or _user_pass_key(self.config) is not None:
+            return True
+        if not self._said_uncacheable:
+            self._said_uncacheable = True
+            log.warning("torch_ext: inductor_options' post_grad_custom_post_pass %r has no uuid(), so pieces "
+                        "compiled with it are not written to the disk cache (cache_dir); make it a "
+                        "torch._inductor.custom_graph_pass.CustomGraphPass with a uuid() to cache them, or list "
+                        "it in CompileConfig.post_grad_passes as a torch_ext Pass", user_pass)
+        return False
 
     def piece_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any], variant: Variant) -> fx.GraphModule:
         """The graph Inductor compiles for this variant: gm, or for a size variant a copy with the

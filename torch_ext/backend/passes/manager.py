@@ -7,6 +7,11 @@ The backend installs one per compile:
 and puts `uuid()` into its on-disk cache key. The uuid combines the compile size with the uuids of
 the passes that run for that size, in order: editing, reconfiguring, adding, removing or reordering
 a pass that runs changes it; a pass gated off for this size does not.
+
+`then`: a user's own `post_grad_custom_post_pass` (CompileConfig.inductor_options), run after ours so
+that setting it never silently replaces them, nor they it. Its uuid joins ours; where it has none
+(a plain function) so does the manager, and Inductor then bypasses its FX-graph cache, as it would for
+that pass alone.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 class PassManager(CustomGraphPass):
-    def __init__(self, passes: Iterable[Pass] = (), compile_size: int | None = None) -> None:
+    def __init__(self, passes: Iterable[Pass] = (), compile_size: int | None = None, then=None) -> None:
         passes = tuple(passes)
         for p in passes:
             if not isinstance(p, Pass):
@@ -38,8 +43,11 @@ class PassManager(CustomGraphPass):
             isinstance(compile_size, bool) or not isinstance(compile_size, int)
         ):
             raise TypeError(f"compile_size must be an int or None, got {compile_size!r}")
+        if then is not None and not callable(then):
+            raise TypeError(f"then must be a callable post-grad pass (it is called with the FX graph), got {then!r}")
         self.passes = passes
         self.compile_size = compile_size
+        self.then = then
 
     def applicable_passes(self) -> tuple[Pass, ...]:
         return tuple(p for p in self.passes if p.is_applicable(self.compile_size))
@@ -64,14 +72,23 @@ class PassManager(CustomGraphPass):
                 (time.perf_counter() - start) * 1e3,
                 self.compile_size,
             )
+        if self.then is not None:
+            self.then(graph)
 
-    def uuid(self) -> str:
+    def uuid(self) -> str | None:
+        then = None
+        if self.then is not None:
+            then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else None
+            if then is None:
+                return None  # the user's pass has no key: nothing may be cached under ours
         key = {
             "manager": source_hash(type(self)),  # how passes are run is part of the result too
             "compile_size": self.compile_size,
             "passes": [p.uuid() for p in self.applicable_passes()],
+            "then": then,
         }
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()
 
     def __repr__(self) -> str:
-        return f"PassManager({list(self.passes)!r}, compile_size={self.compile_size!r})"
+        then = f", then={self.then!r}" if self.then is not None else ""
+        return f"PassManager({list(self.passes)!r}, compile_size={self.compile_size!r}{then})"
