@@ -110,4 +110,4 @@ def test_a_users_own_post_pass_runs_beside_ours_and_is_cached_by_its_uuid(case, 
             stats = run(lambda graph: plain_calls.append(len(graph.nodes)))
             assert stats["cache_hits"] == 0 and stats["cache_misses"] == 0 and stats["inductor_compiles"] >= 1
     assert len(plain_calls) >= 2
-    assert sum("has no uuid()" in r.getMessage() for r in caplog.records) == 2  # once per backend
+    assert sum("without a uuid()" in r.getMessage() for r in caplog.records) == 2  # once per backend

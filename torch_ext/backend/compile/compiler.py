@@ -66,14 +66,13 @@ def _fake_mode_of(values):
     return None
 
 
-def _user_pass_key(config: CompileConfig) -> str | None:
-    """The uuid of the user's own post-grad pass (inductor_options), '' where none is set, None where it has none."""
-    user_pass = config.inductor_options.get("post_grad_custom_post_pass")
-    if user_pass is None:
-        return ""
+def _unkeyed_options(config: CompileConfig) -> list[str]:
+    """inductor_options whose value is code without a uuid (a plain function as post_grad_custom_post_pass):
+    the config's hash knows them only by repr, which cannot tell an edited function from this one."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    return user_pass.uuid() if isinstance(user_pass, CustomGraphPass) else None
+    return [k for k, v in config.inductor_options.items()
+            if callable(v) and not (isinstance(v, CustomGraphPass) and v.uuid() is not None)]
 
 
 def _load_pass_manager():
@@ -116,23 +115,20 @@ class InductorCompiler:
     def key_factors(self, variant: Variant) -> str:
         """What, besides the piece graph and the config, decides the compiled code of this variant."""
         pm = self.pass_manager(variant)
-        return (f"{variant.label}|passes={pm.uuid() if pm is not None else ''}|user_pass={_user_pass_key(self.config)}"
-                f"|grad={torch.is_grad_enabled()}")
+        return f"{variant.label}|passes={pm.uuid() if pm is not None else ''}|grad={torch.is_grad_enabled()}"
 
     def disk_cacheable(self) -> bool:
-        """Whether compiled pieces may go to the disk cache: not where the user's own post-grad pass
-        (inductor_options) has no uuid, since a later process could not tell an edited pass from this
-        one. Inductor's own cache bypasses such a pass too. Said once per compiler."""
-        user_pass = self.config.inductor_options.get("post_grad_custom_post_pass")
-        if user_pass is None or _user_pass_key(self.config) is not None:
-            return True
-        if not self._said_uncacheable:
+        """Whether compiled pieces may go to the disk cache: not where an Inductor option is code without a
+        uuid (a plain function as post_grad_custom_post_pass), since a later process could not tell an
+        edited function from this one; Inductor's own cache bypasses such passes too. Said once."""
+        unkeyed = _unkeyed_options(self.config)
+        if unkeyed and not self._said_uncacheable:
             self._said_uncacheable = True
-            log.warning("torch_ext: inductor_options' post_grad_custom_post_pass %r has no uuid(), so pieces "
-                        "compiled with it are not written to the disk cache (cache_dir); make it a "
-                        "torch._inductor.custom_graph_pass.CustomGraphPass with a uuid() to cache them, or list "
-                        "it in CompileConfig.post_grad_passes as a torch_ext Pass", user_pass)
-        return False
+            log.warning("torch_ext: inductor_options %s hold code without a uuid(), so pieces compiled with them are "
+                        "not written to the disk cache (cache_dir); make each a "
+                        "torch._inductor.custom_graph_pass.CustomGraphPass with a uuid() to cache them, or a post-grad "
+                        "pass a torch_ext Pass in CompileConfig.post_grad_passes", unkeyed)
+        return not unkeyed
 
     def piece_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any], variant: Variant) -> fx.GraphModule:
         """The graph Inductor compiles for this variant: gm, or for a size variant a copy with the
