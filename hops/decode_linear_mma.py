@@ -119,8 +119,25 @@ struct Prologue {
   float inv_rms[NT];  // of this lane's rows 8j + g
 };
 
+// x's raw 16-byte runs for one chunk, in the order load_chunk's weights use (rows past M, chunks past
+// the end: zeros).
+__device__ __forceinline__ void load_x_chunk(u32x4 (&xr)[NT][2], const u16* x, int x_stride, int chunk, int chunks,
+                                             int M, int g, int t) {
+  const int col = chunk * 64 + 16 * t;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int row = 8 * j + g;
+    xr[j][0] = xr[j][1] = u32x4{0, 0, 0, 0};
+    if (row < M && chunk < chunks) {
+      const u16* p = x + (long long)row * x_stride + col;
+      xr[j][0] = load_x(p);
+      xr[j][1] = load_x(p + 8);
+    }
+  }
+}
+
 __device__ __forceinline__ void multiply_chunk(float (&acc)[NT][MT][4], const u32x4 (&w)[MT][2][2],
-                                               const u16* x, int x_stride, const Prologue& pro, int chunk,
+                                               const u32x4 (&xr)[NT][2], const Prologue& pro, int chunk,
                                                int chunks, int M, int g, int t) {
   if (chunk >= chunks) return;
   const int col = chunk * 64 + 16 * t;
@@ -132,12 +149,9 @@ __device__ __forceinline__ void multiply_chunk(float (&acc)[NT][MT][4], const u3
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     const int row = 8 * j + g;
-    u32x4 x0 = {0, 0, 0, 0}, x1 = {0, 0, 0, 0};
-    if (row < M) {
-      const u16* p = x + (long long)row * x_stride + col;
-      x0 = load_x(p);
-      x1 = load_x(p + 8);
+    u32x4 x0 = xr[j][0], x1 = xr[j][1];
 #if NORM || GATED
+    if (row < M) {
       u32x4 up0 = {0, 0, 0, 0}, up1 = {0, 0, 0, 0};
 #if GATED
       up0 = load_x(pro.up + (long long)row * pro.up_stride + col);
@@ -145,8 +159,8 @@ __device__ __forceinline__ void multiply_chunk(float (&acc)[NT][MT][4], const u3
 #endif
       prologue_x4(x0, g0, up0, pro.inv_rms[j]);
       prologue_x4(x1, g1, up1, pro.inv_rms[j]);
-#endif
     }
+#endif
 #pragma unroll
     for (int s = 0; s < 4; ++s)
 #pragma unroll
@@ -229,12 +243,35 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
     for (int j = 0; j < NT; ++j) pro.inv_rms[j] = 8 * j + g < M ? inv_rms[8 * j + g] : 1.f;
   }
 #endif
+#if XPF
+  // x loaded a round ahead too, beside the weights: at 16-32 rows a chunk's x is more bytes than its
+  // weights (read from L1 / L2), and loading it just before the mma stalls every round.
+  u32x4 xcur[U][NT][2];
+#pragma unroll
+  for (int u = 0; u < U; ++u) load_x_chunk(xcur[u], x, x_stride, warp + u * WARPS, chunks, M, g, t);
+#endif
   for (int c = warp; c < chunks; c += U * WARPS) {
     u32x4 next[U][MT][2][2];
 #pragma unroll
     for (int u = 0; u < U; ++u) load_chunk(next[u], rows, c + (U + u) * WARPS, chunks);
+#if XPF
+    u32x4 xnext[U][NT][2];
 #pragma unroll
-    for (int u = 0; u < U; ++u) multiply_chunk(acc, cur[u], x, x_stride, pro, c + u * WARPS, chunks, M, g, t);
+    for (int u = 0; u < U; ++u) load_x_chunk(xnext[u], x, x_stride, c + (U + u) * WARPS, chunks, M, g, t);
+#pragma unroll
+    for (int u = 0; u < U; ++u) multiply_chunk(acc, cur[u], xcur[u], pro, c + u * WARPS, chunks, M, g, t);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) xcur[u][j][0] = xnext[u][j][0], xcur[u][j][1] = xnext[u][j][1];
+#else
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      u32x4 xr[NT][2];
+      load_x_chunk(xr, x, x_stride, c + u * WARPS, chunks, M, g, t);
+      multiply_chunk(acc, cur[u], xr, pro, c + u * WARPS, chunks, M, g, t);
+    }
+#endif
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -315,9 +352,9 @@ def mma_takes(x: torch.Tensor, weight: torch.Tensor, bias=None, norm_weight=None
     index = _index(x.device)
     if _capability(index) < (8, 0):
         return False
-    mt, warps, unroll = default_config(n, index)
+    mt, warps, unroll, xpf = _full(default_config(n, index))
     return _kernel(index, _DTYPES[x.dtype], mt, (rows + 7) // 8, warps, unroll, norm_weight is not None,
-                   up is not None, gate is not None) is not None
+                   up is not None, gate is not None, xpf) is not None
 
 
 def gate_fits(gate, n: int) -> bool:
@@ -336,20 +373,21 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 
 def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *, norm_weight=None, eps: float = 0.0,
-                      up=None, residual=None, gate=None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                      up=None, residual=None, gate=None, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """decode_linear (hops/decode_linear.py: the prologue, F.linear, the gate, the residual add) for the
     tensors mma_takes accepts; config (features a block / 16, warps, chunks in flight per warp) replaces
-    the default (bench/decode_linear_op.py). With a gate a block computes 8 x MT outputs from 16 x MT
-    weight rows: as many blocks as the whole projection (2 x width rows) takes without it."""
+    the default (bench/decode_linear_op.py), a fourth entry 1 loading x a round ahead too (XPF). With a gate
+    a block computes 8 x MT outputs from 16 x MT weight rows: as many blocks as the whole projection
+    (2 x width rows) takes without it."""
     n, k = weight.shape
     x2, up2 = _rows(x, k), (_rows(up, k) if up is not None else None)
     rows = x2.shape[0]
     gate_start, up_start, out = gate if gate is not None else (0, 0, n)
     y = torch.empty((rows, out), dtype=x.dtype, device=x.device)
     index = _index(x.device)
-    mt, warps, unroll = config or default_config(n, index)
+    mt, warps, unroll, xpf = _full(config or default_config(n, index))
     func = _kernel(index, _DTYPES[x.dtype], mt, (rows + 7) // 8, warps, unroll, norm_weight is not None,
-                   up is not None, gate is not None)
+                   up is not None, gate is not None, xpf)
     if func is None:
         raise RuntimeError("decode_linear_mma: the kernel did not compile (the warning before says why)")
     pdl = pdl and _capability(index) >= (9, 0)  # griddepcontrol: Hopper and newer
@@ -366,6 +404,12 @@ def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *,
     return y.view(*x.shape[:-1], out)
 
 
+def _full(config: tuple[int, ...]) -> tuple[int, int, int, bool]:
+    """(features a block / 16, warps, chunks in flight, x loaded a round ahead): the last optional."""
+    mt, warps, unroll, *rest = config
+    return mt, warps, unroll, bool(rest[0]) if rest else False
+
+
 def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
     """t as (rows, k) rows the kernel loads 16 bytes at a time: contiguous in k, each row 16-byte aligned
     (a slice of a merged projection's output, gate or up, is, with its row stride); else a copy."""
@@ -377,7 +421,7 @@ def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll: int, norm: bool, gated: bool,
-            gate_epilogue: bool = False):
+            gate_epilogue: bool = False, xpf: bool = False):
     """The compiled kernel (a CUfunction) for this device and variant, or None where NVRTC is missing or
     the compile fails: said once per variant, and the op runs its reference."""
     from torch_ext import compat
@@ -385,7 +429,8 @@ def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll:
     compile_kernel = compat.cuda_kernel_compiler()
     if compile_kernel is None:
         return None
-    defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=int(norm), GATED=int(gated), GATE_EPILOGUE=int(gate_epilogue))
+    defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=int(norm), GATED=int(gated), GATE_EPILOGUE=int(gate_epilogue),
+                   XPF=int(xpf))
     source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.replace("DTYPE", dtype)
     try:
         with torch.cuda.device(device_index):

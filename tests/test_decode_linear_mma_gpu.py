@@ -47,7 +47,8 @@ def test_kernel_equals_a_float64_reference(pdl, dtype, rows, k, n, bias, residua
     assert _error(out, _expected(x, w, b, r)) < 1e-2
 
 
-@pytest.mark.parametrize("config", [(1, 8, 2), (2, 8, 2), (1, 4, 4), (2, 4, 1), (1, 16, 1), (4, 2, 2)])
+@pytest.mark.parametrize("config", [(1, 8, 2), (2, 8, 2), (1, 4, 4), (2, 4, 1), (1, 16, 1), (4, 2, 2), (1, 8, 1, 1),
+                                    (1, 4, 2, 1), (2, 8, 1, 1)])
 @pytest.mark.parametrize("rows", [2, 8, 24])
 def test_every_config_shape_gives_the_same_answer(config, rows):
     """Features a block (16 x m-tiles), warps and chunks in flight change who adds what; K = 5632 is 88
@@ -61,7 +62,8 @@ def test_every_config_shape_gives_the_same_answer(config, rows):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [2, 8])
 @pytest.mark.parametrize("parts", [("norm",), ("up",), ("norm", "up", "residual")])
-def test_fused_parts_equal_the_eager_formulation(pdl, dtype, rows, parts):
+@pytest.mark.parametrize("config", [None, (1, 8, 1, 1)])  # x loaded a round ahead: the prologue on it
+def test_fused_parts_equal_the_eager_formulation(pdl, dtype, rows, parts, config):
     """The norm / gate / residual add inside the kernel: eager's prologue (its roundings), the projection
     in float64, rounded, plus the residual. up is a row-strided view, as a merged gate/up output's half is."""
     k, n = 2048, 5632
@@ -73,7 +75,7 @@ def test_fused_parts_equal_the_eager_formulation(pdl, dtype, rows, parts):
                 eps=1e-6, up=gate_up[..., k:] if "up" in parts else None,
                 residual=torch.randn(rows, 1, n, device="cuda", dtype=dtype, generator=g) if "residual" in parts else None)
     assert mma_takes(x, w, None, args["norm_weight"], args["up"], args["residual"])
-    out = decode_linear_mma(x, w, None, pdl, **args)
+    out = decode_linear_mma(x, w, None, pdl, **args, config=config)
     xp = prologue_reference(x, args["norm_weight"], args["eps"], args["up"])
     assert _error(out, _expected(xp, w, None, args["residual"])) < 1e-2
 
