@@ -40,6 +40,9 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
   inductor    torch.compile(model.forward) with Inductor's defaults (no CUDA graphs)
   ext-rows1   ext with decode_linear at one row only (cuBLAS and Inductor's norms from two rows up: the
               default before the op's CUDA path for 2-8 rows);
+  ext-rows8   ext with decode_linear's CUDA path up to 8 rows (cuBLAS above: the default before 2026-11-27)
+  ext-noxpf   ext with the CUDA path's launch config of before 2026-11-27 (x loaded just before its mma;
+              16 warps x 2 chunks or 8 x 1 by block count)
   ext-prologue8  ext with the norms and gates folded into decode_linear up to 8 rows (the default: one row)
   ext-norm8   ext with the norms alone folded in up to 8 rows (the gate left to Inductor)
   ext-late-launch  ext with Inductor's kernels triggering their dependents after their last load (Inductor's
@@ -138,7 +141,7 @@ def make(name: str, model, root: str, serving: bool = False):
 
 @contextlib.contextmanager
 def column_experiment(name: str):
-    """What an experimental column (the module docstring's ext-rows1, ext-prologue8, ext-gate, ext-late-launch, ext-row-*, ext-attn1, ext-lt,
+    """What an experimental column (the module docstring's ext-rows1, ext-rows8, ext-noxpf, ext-prologue8, ext-gate, ext-late-launch, ext-row-*, ext-attn1, ext-lt,
     ext-cublas-lt) changes, while it compiles and captures its graphs: full CUDA graphs keep the
     launches they captured. ext-row-n<BLOCK_N>-p<PRE_K>-k<BLOCK_K>-w<warps> overrides the launch config
     of decode_linear's one-row path."""
@@ -153,11 +156,17 @@ def column_experiment(name: str):
         finally:
             torch.backends.cuda.preferred_blas_library(before)
         return
-    if name in ("ext-rows1", "ext-prologue8", "ext-norm8", "ext-gate", "ext-late-launch"):
+    if name in ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-prologue8", "ext-norm8", "ext-gate", "ext-late-launch"):
         import torch_ext.backend.compile.decode_options as options
         import torch_ext.hops.decode_linear as op
+        import torch_ext.hops.decode_linear_mma as mma
 
-        patches = {"ext-rows1": [(op, "MAX_ROWS", 1)],
+        def config_before_xpf(n, device_index, rows=8):
+            sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+            return (1, 16, 2) if (n + 15) // 16 <= sms * 5 // 4 else (1, 8, 1)
+
+        patches = {"ext-rows1": [(op, "MAX_ROWS", 1)], "ext-rows8": [(op, "MAX_ROWS", 8)],
+                   "ext-noxpf": [(mma, "default_config", config_before_xpf)],
                    "ext-prologue8": [(op, "NORM_PROLOGUE_MAX_ROWS", 8), (op, "GATE_PROLOGUE_MAX_ROWS", 8)],
                    "ext-norm8": [(op, "NORM_PROLOGUE_MAX_ROWS", 8)],
                    "ext-gate": [(op, "GATE_EPILOGUE", True)],
@@ -264,7 +273,7 @@ def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
     columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-nopdl", "ext-plain", "ext-pdl",
                               "ext-combo", "ext-nocombo", "ext-nofuse", "ext-nocg", "ext-nocg-nofuse",
-                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "ext-uncaptured", "ext-uncaptured-forced", "inductor", "ext-rows1", "ext-prologue8", "ext-norm8", "ext-gate", "ext-late-launch",
+                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "ext-uncaptured", "ext-uncaptured-forced", "inductor", "ext-rows1", "ext-rows8", "ext-noxpf", "ext-prologue8", "ext-norm8", "ext-gate", "ext-late-launch",
                               "ext-attn1",
                               "ext-lt", "ext-cublas-lt"]
                if c in args.columns]

@@ -46,10 +46,12 @@ __all__ = ["GATE_PROLOGUE_MAX_ROWS", "MAX_ROWS", "NORM_PROLOGUE_MAX_ROWS", "deco
 # Rows (batch x tokens) the op runs a kernel of its own for; more run F.linear. One row: the Triton kernel
 # (hops/decode_linear_kernels.py), any float dtype. 2..MAX_ROWS rows, 16-bit: the CUDA path
 # (hops/decode_linear_mma.py). H100, a chain of Llama projections (bench/decode_linear_op.py): one row
-# 0.83x cuBLAS's time; the CUDA path 0.88x at 2 rows, 0.91x at 8, 1.04x at 16, 1.28x at 32. Triton's
-# multi-row paths (a tile per row, tl.dot; removed, in the history before commit 4d655c2) ran 2 rows at
-# 1.02x, 4 at 1.30x, 8 at 1.35x (bench/results/decode_linear_op_h100_torch2.11.log).
-MAX_ROWS = 8
+# 0.83x cuBLAS's time; the CUDA path, its x loaded a round ahead and its config by shape and rows, 0.82x
+# at 8 rows, 0.84x at 16, 0.92x at 32 (summed over chains of one projection each; before x was loaded
+# ahead: 0.91x, 1.04x, 1.28x, when MAX_ROWS was 8; bench/results/decode_linear_xpf_h100_torch2.11.log).
+# Triton's multi-row paths (a tile per row, tl.dot; removed, in the history before commit 4d655c2) ran 2
+# rows at 1.02x, 4 at 1.30x, 8 at 1.35x (bench/results/decode_linear_op_h100_torch2.11.log).
+MAX_ROWS = 32
 # Rows up to which the rewrite folds the norm, and the gate, into the op (the residual add: every row
 # count). At 8 rows every block of the CUDA path redoes a prologue over all of x: HF Llama batch 8 on an
 # H100 ran 1.298 ms with both fused against 1.179 with cuBLAS and Inductor's norms

@@ -319,14 +319,21 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
 """
 
 @functools.lru_cache(maxsize=None)
-def default_config(n: int, device_index: int) -> tuple[int, int, int]:
-    """(features a block / 16, warps, chunks in flight per warp). H100, 8 rows, a chain of 16 of one Llama
-    projection (bench/decode_linear_op.py --shapes, bench/results/decode_linear_mma_h100_torch2.11.log):
-    where the blocks fit the SMs once (o and down, N = 2048: 128 blocks), 16 warps with 2 chunks each
-    ran them at 0.71x / 0.80x cuBLAS; with more blocks (qkv 6144, gate_up 11264) 8 warps with 1 chunk,
-    three blocks an SM, at 0.91x / 0.96x."""
+def default_config(n: int, device_index: int, rows: int = 8) -> tuple[int, int, int, int]:
+    """(features a block / 16, warps, chunks in flight per warp, x loaded a round ahead). H100, chains of
+    16 of one Llama projection (bench/decode_linear_op.py --shapes, bench/results/decode_linear_xpf_h100_torch2.11.log),
+    x cuBLAS: with x loaded a round ahead, where the blocks fit the SMs about once (o, down: N = 2048,
+    128 blocks) 16 warps with one chunk each (8 rows o 0.67x / down 0.80x, 16 rows 0.70x / 0.81x, 32 rows
+    0.89x / 0.95x); with more blocks (qkv 6144, gate_up 11264) 8 warps, 2 chunks at one n-tile (8 rows qkv
+    0.81x / gate_up 0.90x), one chunk at two (16 rows 0.81x / 0.93x), and at 32 rows 8 warps for qkv
+    (0.88x) but 4 for gate_up's 704 blocks (0.93x; 8 warps 1.04x)."""
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return (1, 16, 2) if (n + 15) // 16 <= sms * 5 // 4 else (1, 8, 1)
+    blocks = (n + 15) // 16
+    if blocks <= sms * 5 // 4:
+        return (1, 16, 1, 1)
+    if rows <= 8:
+        return (1, 8, 2, 1)
+    return (1, 4, 1, 1) if rows > 16 and blocks > 4 * sms else (1, 8, 1, 1)
 
 
 def mma_takes(x: torch.Tensor, weight: torch.Tensor, bias=None, norm_weight=None, up=None, residual=None,
@@ -352,7 +359,7 @@ def mma_takes(x: torch.Tensor, weight: torch.Tensor, bias=None, norm_weight=None
     index = _index(x.device)
     if _capability(index) < (8, 0):
         return False
-    mt, warps, unroll, xpf = _full(default_config(n, index))
+    mt, warps, unroll, xpf = _full(default_config(n, index, rows))
     return _kernel(index, _DTYPES[x.dtype], mt, (rows + 7) // 8, warps, unroll, norm_weight is not None,
                    up is not None, gate is not None, xpf) is not None
 
@@ -385,7 +392,7 @@ def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *,
     gate_start, up_start, out = gate if gate is not None else (0, 0, n)
     y = torch.empty((rows, out), dtype=x.dtype, device=x.device)
     index = _index(x.device)
-    mt, warps, unroll, xpf = _full(config or default_config(n, index))
+    mt, warps, unroll, xpf = _full(config or default_config(n, index, rows))
     func = _kernel(index, _DTYPES[x.dtype], mt, (rows + 7) // 8, warps, unroll, norm_weight is not None,
                    up is not None, gate is not None, xpf)
     if func is None:

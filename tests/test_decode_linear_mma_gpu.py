@@ -38,6 +38,7 @@ def _error(out, expected) -> float:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16, 17, 31, 32])
 @pytest.mark.parametrize("k,n,bias,residual", [(2048, 6144, False, False), (5632, 2048, True, False),
+                                               (2048, 11264, False, True),  # over 4 blocks an SM: 4 warps at 17+ rows
                                                (64, 77, True, True), (320, 33, False, True)])
 def test_kernel_equals_a_float64_reference(pdl, dtype, rows, k, n, bias, residual):
     x, w, b, r = _inputs(rows, k, n, dtype, bias, residual, rows * k + n)
@@ -132,11 +133,12 @@ def test_a_chain_with_dependent_launch_in_a_cuda_graph_reads_each_input_complete
         lambda h, w: decode_linear_mma(h, w, None, True), rows=8)
 
 
-@pytest.mark.parametrize("mode,prologue_rows,gate", [("full", 1, False), ("none", 1, False), ("full", 8, False),
-                                                     ("full", 1, True)])
-def test_hf_llama_in_bfloat16_at_batch_4_runs_the_path_fused_and_matches_eager(monkeypatch, mode, prologue_rows,
-                                                                               gate):
-    """A decode step of 4 sequences: every projection runs the CUDA path, with the layer's residual adds
+@pytest.mark.parametrize("mode,prologue_rows,gate,batch", [("full", 1, False, 4), ("none", 1, False, 4),
+                                                           ("full", 8, False, 4), ("full", 1, True, 4),
+                                                           ("full", 1, False, 24)])
+def test_hf_llama_in_bfloat16_at_small_batches_runs_the_path_fused_and_matches_eager(monkeypatch, mode, prologue_rows,
+                                                                               gate, batch):
+    """A decode step of 4 (and 24: three n-tiles) sequences: every projection runs the CUDA path, with the layer's residual adds
     inside (and its norms and gate where NORM_ / GATE_PROLOGUE_MAX_ROWS let them in; the gate in gate/up's epilogue
     where GATE_EPILOGUE is on), logits equal eager's
     (bfloat16 tolerance), weights scaled in place at step 3 are read."""
@@ -150,11 +152,11 @@ def test_hf_llama_in_bfloat16_at_batch_4_runs_the_path_fused_and_matches_eager(m
     run = module.decode_linear_mma
     monkeypatch.setattr(module, "decode_linear_mma", lambda *a, **kw: launches.append(1) or run(*a, **kw))
     counters.reset()
-    model = hf.cuda_decode_matches_eager(mode, batch=4, update_weights_at=3, dtype=torch.bfloat16, tol=3e-2,
+    model = hf.cuda_decode_matches_eager(mode, batch=batch, update_weights_at=3, dtype=torch.bfloat16, tol=3e-2,
                                          decode_linear=True)
     layers = model.config.num_hidden_layers
     assert counters.decode_linear_calls == (4 * layers + 1) * counters.graphs_seen
-    per_layer = 5 if prologue_rows >= 4 else 2 + gate  # two norms and the gate, two residual adds
+    per_layer = 5 if prologue_rows >= batch else 2 + gate  # two norms and the gate, two residual adds
     assert counters.decode_linear_fusions == per_layer * layers * counters.graphs_seen
     assert launches
 
