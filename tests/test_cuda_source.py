@@ -1,0 +1,82 @@
+"""decode_linear's CUDA kernel (hops/decode_linear_mma_source.py) through NVRTC and ptxas for sm_90, on the CPU:
+every variant the op can build compiles, and the ones its default configs launch keep every value in
+registers (a spill to local memory would put the weights' stream behind stack traffic). The GPU tests
+run the kernel; this catches a broken source where no GPU is (CI). NVRTC comes with torch's CUDA wheels
+(nvidia-cuda-nvrtc); without it the test skips."""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import re
+
+import pytest
+import torch
+
+from torch_ext.hops.decode_linear_mma import MMA_MAX_ROWS, default_config
+from torch_ext.hops.decode_linear_mma_source import SOURCE
+
+
+def _nvrtc():
+    try:
+        from torch.cuda._utils import _get_nvrtc_library
+
+        return _get_nvrtc_library()
+    except Exception as e:  # a CPU build of torch, or no libnvrtc
+        pytest.skip(f"NVRTC is not available here: {type(e).__name__}: {e}")
+
+
+def _compile(lib, defines: dict, dtype: str, arch: str = "sm_90") -> tuple[int, str]:
+    code = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE.replace("DTYPE", dtype)
+    program = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(program), code.encode(), b"decode_linear_mma.cu", 0, None, None) == 0
+    options = [f"--gpu-architecture={arch}".encode(), b"-Xptxas=-v"]
+    status = lib.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(program, log)
+    lib.nvrtcDestroyProgram(ctypes.byref(program))
+    return status, log.value.decode(errors="replace")
+
+
+def _default_configs() -> set[tuple[int, tuple[int, ...]]]:
+    """(n-tiles, config) of every launch the op's defaults make on a 132-SM GPU (H100, H200)."""
+    props = type("Props", (), {"multi_processor_count": 132})()
+    original = torch.cuda.get_device_properties
+    torch.cuda.get_device_properties = lambda index: props
+    try:
+        default_config.cache_clear()
+        return {((rows + 7) // 8, default_config(n, 0, rows)) for rows in range(2, MMA_MAX_ROWS + 1)
+                for n in (2048, 6144, 11264, 32000)}
+    finally:
+        torch.cuda.get_device_properties = original
+        default_config.cache_clear()
+
+
+def test_every_variant_compiles_and_the_default_ones_do_not_spill():
+    lib = _nvrtc()
+    launched = _default_configs()
+    assert {config[1] for _, config in launched} == {16, 8, 4}  # the table: warps by shape and rows
+    failures, spills = [], []
+    for nt, (mt, warps, unroll, xpf) in sorted(launched):
+        for norm, gated, gate_epilogue in itertools.product((0, 1), repeat=3):
+            if gated and gate_epilogue:
+                continue  # the op never asks for both (a gate/up projection's input is not gated)
+            defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=norm, GATED=gated,
+                           GATE_EPILOGUE=gate_epilogue, XPF=xpf)
+            status, log = _compile(lib, defines, "bf16")
+            if status != 0:
+                failures.append((defines, log[-600:]))
+                continue
+            spilled = [int(b) for b in re.findall(r"(\d+) bytes spill stores", log)]
+            if not (norm or gated or gate_epilogue) and any(spilled):
+                spills.append((defines, spilled))
+    assert not failures, failures[0]
+    assert not spills, spills
+
+
+@pytest.mark.parametrize("dtype,arch", [("f16", "sm_90"), ("bf16", "sm_80")])
+def test_float16_and_pre_hopper_builds(dtype, arch):
+    """float16 operands, and sm_80 (mma.sync without griddepcontrol: the PDL guard compiles it out)."""
+    status, log = _compile(_nvrtc(), dict(MT=1, NT=2, WARPS=8, U=1, NORM=1, GATED=0, GATE_EPILOGUE=0, XPF=1), dtype, arch)
+    assert status == 0, log[-600:]
