@@ -65,7 +65,9 @@ GATE_PROLOGUE_MAX_ROWS = 1
 # an eager gate between the projections (8 rows, bench/results/decode_linear_mlp_h100_torch2.11.log),
 # but in HF Llama batch 8 the step was slower with it: 1.075 against 1.042 ms (the gate/up kernel
 # 21.3 us against 18.6: the down projection's blocks launch early behind it and load their weights
-# while it streams its own; bench/results/inference_floor_early_launch_h100_torch2.11.log).
+# while it streams its own; bench/results/inference_floor_early_launch_h100_torch2.11.log). With the path
+# at 16-32 rows: batch 16 1.155 against 1.183 ms, batch 32 1.449 against 1.417 (one run,
+# bench/results/inference_floor_gate_rows32_h100_torch2.11.log).
 GATE_EPILOGUE = False
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
