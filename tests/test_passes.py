@@ -185,5 +185,8 @@ def test_a_users_own_post_pass_runs_after_ours_and_keys_the_manager(load_pass):
     assert manager.uuid() not in (None, alone)
     assert manager.uuid() != PassManager([to_abs()], then=UserPass(2)).uuid()
     assert PassManager([to_abs()], then=lambda graph: None).uuid() is None  # a plain function: no key
+    hashed = UserPass(3)
+    hashed.uuid = lambda: b"\x00bytes"  # Inductor's get_hash_for_files gives bytes
+    assert PassManager([to_abs()], then=hashed).uuid() is not None
     with pytest.raises(TypeError, match="then must be a callable"):
         PassManager([], then="not a pass")

@@ -85,7 +85,7 @@ class PassManager(CustomGraphPass):
             "manager": source_hash(type(self)),  # how passes are run is part of the result too
             "compile_size": self.compile_size,
             "passes": [p.uuid() for p in self.applicable_passes()],
-            "then": then,
+            "then": repr(then),  # a CustomGraphPass's uuid may be bytes (get_hash_for_files)
         }
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()
 
