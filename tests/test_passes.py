@@ -188,5 +188,10 @@ def test_a_users_own_post_pass_runs_after_ours_and_keys_the_manager(load_pass):
     hashed = UserPass(3)
     hashed.uuid = lambda: b"\x00bytes"  # Inductor's get_hash_for_files gives bytes
     assert PassManager([to_abs()], then=hashed).uuid() is not None
-    with pytest.raises(TypeError, match="then must be a callable"):
+    with pytest.raises(TypeError, match="then takes callable post-grad passes"):
         PassManager([], then="not a pass")
+    seen.clear()
+    listed = PassManager([], then=[UserPass(1), UserPass(2)])  # a list, as newer torch takes
+    listed(neg_graph())
+    assert len(seen) == 2 and listed.uuid() not in (None, PassManager([], then=[UserPass(1)]).uuid())
+    assert PassManager([], then=[UserPass(1), lambda graph: None]).uuid() is None

@@ -105,9 +105,36 @@ def test_a_users_own_post_pass_runs_beside_ours_and_is_cached_by_its_uuid(case, 
     assert changed["cache_hits"] == 0 and 2 in calls  # another uuid: compiled again, with it
 
     plain_calls = []
+    plain = lambda graph: plain_calls.append(len(graph.nodes))  # noqa: E731
     with caplog.at_level("WARNING", logger="torch_ext"):
-        for _ in range(2):
-            stats = run(lambda graph: plain_calls.append(len(graph.nodes)))
+        for user_pass in (plain, plain, [Counting(1), plain]):  # a list of passes, as newer torch takes
+            stats = run(user_pass)
             assert stats["cache_hits"] == 0 and stats["cache_misses"] == 0 and stats["inductor_compiles"] >= 1
-    assert len(plain_calls) >= 2
-    assert sum("without a uuid()" in r.getMessage() for r in caplog.records) == 2  # once per backend
+    assert len(plain_calls) >= 3
+    assert sum("without a uuid()" in r.getMessage() for r in caplog.records) == 3  # once per backend
+
+
+def test_a_list_of_user_passes_runs_on_every_torch_with_no_passes_of_ours(case):
+    """Newer torch takes a list as post_grad_custom_post_pass, older calls the list itself (a TypeError deep
+    in Inductor); torch_ext runs the list through its PassManager on every torch, ours or none before it."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    model, inputs, cache_dir = case
+    calls = []
+
+    class Named(CustomGraphPass):
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, graph):
+            calls.append(self.name)
+
+        def uuid(self):
+            return self.name
+
+    torch._dynamo.reset()
+    config = CompileConfig(cache_dir=None, unfuse_output_addmm=False,
+                           inductor_options={"post_grad_custom_post_pass": [Named("a"), Named("b")]})
+    with torch.no_grad(), fresh_inductor_cache():
+        torch.testing.assert_close(torch.compile(model, backend=make_backend(config))(*inputs), model(*inputs))
+    assert calls[:2] == ["a", "b"]

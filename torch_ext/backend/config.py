@@ -146,6 +146,8 @@ def _option_key(value: Any) -> str:
 
     if isinstance(value, CustomGraphPass):
         return f"{type(value).__qualname__} uuid={value.uuid()!r}"
+    if isinstance(value, (list, tuple)):  # a list of custom passes (newer torch)
+        return f"[{', '.join(_option_key(v) for v in value)}]"
     return repr(value)
 
 

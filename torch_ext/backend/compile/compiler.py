@@ -71,8 +71,12 @@ def _unkeyed_options(config: CompileConfig) -> list[str]:
     the config's hash knows them only by repr, which cannot tell an edited function from this one."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    return [k for k, v in config.inductor_options.items()
-            if callable(v) and not (isinstance(v, CustomGraphPass) and v.uuid() is not None)]
+    def unkeyed(v) -> bool:
+        if isinstance(v, (list, tuple)):  # newer torch takes lists of custom passes
+            return any(unkeyed(p) for p in v)
+        return callable(v) and not (isinstance(v, CustomGraphPass) and v.uuid() is not None)
+
+    return [k for k, v in config.inductor_options.items() if unkeyed(v)]
 
 
 def _load_pass_manager():
@@ -90,8 +94,10 @@ class InductorCompiler:
         self._said_uncacheable = False
 
     def pass_manager(self, variant: Variant):
-        """The post-grad PassManager for this variant, or None when no passes are configured."""
-        if not self.config.post_grad_passes and not self.config.unfuse_output_addmm:
+        """The post-grad PassManager for this variant (ours, then the user's own post_grad_custom_post_pass
+        from inductor_options: a pass or a list, on every torch), or None when no pass is configured."""
+        user_pass = self.config.inductor_options.get("post_grad_custom_post_pass")
+        if not self.config.post_grad_passes and not self.config.unfuse_output_addmm and user_pass is None:
             return None
         size = variant.compile_size
         if size not in self._pass_managers:
@@ -107,9 +113,8 @@ class InductorCompiler:
                 from torch_ext.backend.passes import UnfuseOutputAddmm
 
                 passes = (UnfuseOutputAddmm(),) + passes
-            # The user's own post-grad pass (inductor_options) runs after ours: neither replaces the other.
-            then = self.config.inductor_options.get("post_grad_custom_post_pass")
-            self._pass_managers[size] = pass_manager_cls(passes, compile_size=size, then=then)
+            # The user's own post-grad pass runs after ours: neither replaces the other.
+            self._pass_managers[size] = pass_manager_cls(passes, compile_size=size, then=user_pass)
         return self._pass_managers[size]
 
     def key_factors(self, variant: Variant) -> str:
@@ -142,9 +147,7 @@ class InductorCompiler:
         # Workarounds for torch bugs win over the user's options: correct results first.
         patches = {**decode_piece_patches(gm, self.config.inductor_options), **self.config.inductor_options,
                    **workarounds.inductor_patches(gm)}
-        pm = self.pass_manager(variant)
-        # Without passes of ours the user's own post-grad pass (inductor_options) stays, keyed or not.
-        post_pass = keyed_post_pass(patches, pm if pm is not None else patches.get("post_grad_custom_post_pass"))
+        post_pass = keyed_post_pass(patches, self.pass_manager(variant))  # the user's own pass inside it
         if post_pass is not None:
             patches["post_grad_custom_post_pass"] = post_pass
         options = {"config_patches": patches}

@@ -8,10 +8,10 @@ and puts `uuid()` into its on-disk cache key. The uuid combines the compile size
 the passes that run for that size, in order: editing, reconfiguring, adding, removing or reordering
 a pass that runs changes it; a pass gated off for this size does not.
 
-`then`: a user's own `post_grad_custom_post_pass` (CompileConfig.inductor_options), run after ours so
-that setting it never silently replaces them, nor they it. Its uuid joins ours; where it has none
-(a plain function) so does the manager, and Inductor then bypasses its FX-graph cache, as it would for
-that pass alone.
+`then`: a user's own `post_grad_custom_post_pass` (CompileConfig.inductor_options; a pass, or a list of
+them as newer torch takes), run after ours so that setting it never silently replaces them, nor they
+it. Its uuid joins ours; where one has none (a plain function) so does the manager, and Inductor then
+bypasses its FX-graph cache, as it would for that pass alone.
 """
 from __future__ import annotations
 
@@ -43,8 +43,10 @@ class PassManager(CustomGraphPass):
             isinstance(compile_size, bool) or not isinstance(compile_size, int)
         ):
             raise TypeError(f"compile_size must be an int or None, got {compile_size!r}")
-        if then is not None and not callable(then):
-            raise TypeError(f"then must be a callable post-grad pass (it is called with the FX graph), got {then!r}")
+        then = () if then is None else tuple(then) if isinstance(then, (list, tuple)) else (then,)
+        for p in then:
+            if not callable(p):
+                raise TypeError(f"then takes callable post-grad passes (each is called with the FX graph), got {p!r}")
         self.passes = passes
         self.compile_size = compile_size
         self.then = then
@@ -72,15 +74,13 @@ class PassManager(CustomGraphPass):
                 (time.perf_counter() - start) * 1e3,
                 self.compile_size,
             )
-        if self.then is not None:
-            self.then(graph)
+        for p in self.then:
+            p(graph)
 
     def uuid(self) -> str | None:
-        then = None
-        if self.then is not None:
-            then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else None
-            if then is None:
-                return None  # the user's pass has no key: nothing may be cached under ours
+        then = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.then]
+        if None in then:
+            return None  # a user's pass without a key: nothing may be cached under ours
         key = {
             "manager": source_hash(type(self)),  # how passes are run is part of the result too
             "compile_size": self.compile_size,
@@ -90,5 +90,5 @@ class PassManager(CustomGraphPass):
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()
 
     def __repr__(self) -> str:
-        then = f", then={self.then!r}" if self.then is not None else ""
+        then = f", then={list(self.then)!r}" if self.then else ""
         return f"PassManager({list(self.passes)!r}, compile_size={self.compile_size!r}{then})"
