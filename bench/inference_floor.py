@@ -66,7 +66,6 @@ batch 1 and 32, for ro and ext (cudagraph_mode="full").
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import logging
 import os
@@ -80,6 +79,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_decode as H  # noqa: E402  (puts the repository on sys.path)
 from decode import copy_bandwidth  # noqa: E402  (device-to-device, read + write bytes)
+from floor_columns import AT_LAUNCH, EXPERIMENTS, column_experiment  # noqa: E402
 from table import print_table  # noqa: E402
 
 CAPTURE = (1, 2, 4, 8, 16, 32)
@@ -139,86 +139,6 @@ def make(name: str, model, root: str, serving: bool = False):
     return torch_ext.compile(model, config, dynamic=dynamic)
 
 
-@contextlib.contextmanager
-def column_experiment(name: str):
-    """What an experimental column (the module docstring's ext-rows1, ext-rows8, ext-noxpf, ext-prologue8, ext-gate, ext-late-launch, ext-row-*, ext-attn1, ext-lt,
-    ext-cublas-lt) changes, while it compiles and captures its graphs: full CUDA graphs keep the
-    launches they captured. ext-row-n<BLOCK_N>-p<PRE_K>-k<BLOCK_K>-w<warps> overrides the launch config
-    of decode_linear's one-row path."""
-    if name == "ext-attn1":
-        yield from _one_split_attention()
-        return
-    if name in ("ext-lt", "ext-cublas-lt"):  # cuBLASLt picks the GEMMs the graphs capture
-        before = torch.backends.cuda.preferred_blas_library()
-        torch.backends.cuda.preferred_blas_library("cublaslt")
-        try:
-            yield
-        finally:
-            torch.backends.cuda.preferred_blas_library(before)
-        return
-    if name in ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-prologue8", "ext-norm8", "ext-gate", "ext-late-launch"):
-        import torch_ext.backend.compile.decode_options as options
-        import torch_ext.hops.decode_linear as op
-        import torch_ext.hops.decode_linear_mma as mma
-
-        def config_before_xpf(n, device_index, rows=8):
-            sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-            return (1, 16, 2) if (n + 15) // 16 <= sms * 5 // 4 else (1, 8, 1)
-
-        patches = {"ext-rows1": [(op, "MAX_ROWS", 1)], "ext-rows8": [(op, "MAX_ROWS", 8)],
-                   "ext-noxpf": [(mma, "default_config", config_before_xpf)],
-                   "ext-prologue8": [(op, "NORM_PROLOGUE_MAX_ROWS", 8), (op, "GATE_PROLOGUE_MAX_ROWS", 8)],
-                   "ext-norm8": [(op, "NORM_PROLOGUE_MAX_ROWS", 8)],
-                   "ext-gate": [(op, "GATE_EPILOGUE", True)],
-                   "ext-late-launch": [(options, "EARLY_LAUNCH", False)]}[name]
-        before = [(module, field, getattr(module, field)) for module, field, _ in patches]
-        for module, field, value in patches:
-            setattr(module, field, value)
-        try:
-            yield
-        finally:
-            for module, field, value in before:
-                setattr(module, field, value)
-        return
-    if not name.startswith("ext-row-"):
-        yield
-        return
-    import torch_ext.hops.decode_linear as op
-
-    config = op.config
-    overrides = {}  # ext-row-n<BLOCK_N>-p<PRE_K>-k<BLOCK_K>-w<warps>
-    for part in name.split("-")[2:]:
-        key = {"p": "PRE_K", "n": "BLOCK_N", "w": "num_warps", "k": "BLOCK_K"}[part[0]]
-        overrides[key] = int(part[1:])
-
-    def patched(k):
-        cfg = {**config(k), **overrides}
-        if k % cfg["BLOCK_K"]:
-            cfg["BLOCK_K"] = config(k)["BLOCK_K"]
-        # a multiple of BLOCK_K, at most k: a power of two <= k
-        cfg["PRE_K"] = max(cfg["BLOCK_K"], min(cfg["PRE_K"], 1 << (k.bit_length() - 1)))
-        return cfg
-
-    op.config = patched
-    try:
-        yield
-    finally:
-        op.config = config
-
-
-def _one_split_attention():
-    """ext-attn1: decode attention without splitting the cache (one program per head and sequence
-    walks it all; no combine launch), while the column compiles and captures."""
-    import torch_ext.hops.decode_attention as op
-
-    target = op._TARGET_PROGRAMS
-    op._TARGET_PROGRAMS = 1
-    try:
-        yield
-    finally:
-        op._TARGET_PROGRAMS = target
-
-
 def device_kernels(step, steps: int) -> list | None:
     """The CUDA kernels (inside graphs too) of `steps` calls of step, from torch.profiler; None on the CPU."""
     from torch.autograd import DeviceType
@@ -273,9 +193,8 @@ def step_table(args, setup, bandwidth: float) -> None:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
     columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-nopdl", "ext-plain", "ext-pdl",
                               "ext-combo", "ext-nocombo", "ext-nofuse", "ext-nocg", "ext-nocg-nofuse",
-                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "ext-uncaptured", "ext-uncaptured-forced", "inductor", "ext-rows1", "ext-rows8", "ext-noxpf", "ext-prologue8", "ext-norm8", "ext-gate", "ext-late-launch",
-                              "ext-attn1",
-                              "ext-lt", "ext-cublas-lt"]
+                              "ext-nocg-forced", "ext-nocg-forced-nofuse", "ext-uncaptured", "ext-uncaptured-forced",
+                              "inductor", *EXPERIMENTS]
                if c in args.columns]
     columns += sorted(c for c in args.columns if c.startswith("ext-row-"))
     columns += ["autotune", "ext-autotune"] if args.autotune else []
@@ -289,9 +208,7 @@ def step_table(args, setup, bandwidth: float) -> None:
         batches = [1] if name in BATCH_1_ONLY else args.batches
         with column_experiment(name):
             for b in sorted(batches, reverse="uncaptured" not in name):
-                # Columns whose change acts at a kernel's launch (its config) need the graph captured inside
-                # the context: full CUDA graphs capture on a later call than the first.
-                for _ in range(3 if name.startswith(("ext-row", "ext-noxpf", "ext-attn1", "ext-lt", "ext-cublas-lt")) else 1):
+                for _ in range(3 if name.startswith(AT_LAUNCH) else 1):
                     setup.reset(b)
                     with torch.no_grad():
                         setup.step(fns[name], b)

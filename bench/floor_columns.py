@@ -1,0 +1,94 @@
+"""bench/inference_floor.py's experimental columns: what each changes in torch_ext while the column
+compiles and captures its graphs (full CUDA graphs keep the launches they captured). The module
+docstring of inference_floor.py says what each column measures."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+# The columns this module knows, in the order the table lists them (ext-row-* come after, sorted).
+EXPERIMENTS = ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-prologue8", "ext-norm8", "ext-gate", "ext-late-launch",
+               "ext-attn1", "ext-lt", "ext-cublas-lt")
+# Columns whose change acts at a kernel's launch (its config), not at compile: their graph must be
+# captured inside the context, and full CUDA graphs capture on a later call than the first.
+AT_LAUNCH = ("ext-row", "ext-noxpf", "ext-attn1", "ext-lt", "ext-cublas-lt")
+
+
+@contextlib.contextmanager
+def column_experiment(name: str):
+    """What the experimental column `name` (EXPERIMENTS, ext-row-*) changes while it compiles and captures;
+    other names change nothing. ext-row-n<BLOCK_N>-p<PRE_K>-k<BLOCK_K>-w<warps> overrides the launch
+    config of decode_linear's one-row path."""
+    if name == "ext-attn1":
+        yield from _one_split_attention()
+        return
+    if name in ("ext-lt", "ext-cublas-lt"):  # cuBLASLt picks the GEMMs the graphs capture
+        before = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            yield
+        finally:
+            torch.backends.cuda.preferred_blas_library(before)
+        return
+    if name in ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-prologue8", "ext-norm8", "ext-gate", "ext-late-launch"):
+        import torch_ext.backend.compile.decode_options as options
+        import torch_ext.hops.decode_linear as op
+        import torch_ext.hops.decode_linear_mma as mma
+
+        def config_before_xpf(n, device_index, rows=8):
+            sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+            return (1, 16, 2) if (n + 15) // 16 <= sms * 5 // 4 else (1, 8, 1)
+
+        patches = {"ext-rows1": [(op, "MAX_ROWS", 1)], "ext-rows8": [(op, "MAX_ROWS", 8)],
+                   "ext-noxpf": [(mma, "default_config", config_before_xpf)],
+                   "ext-prologue8": [(op, "NORM_PROLOGUE_MAX_ROWS", 8), (op, "GATE_PROLOGUE_MAX_ROWS", 8)],
+                   "ext-norm8": [(op, "NORM_PROLOGUE_MAX_ROWS", 8)],
+                   "ext-gate": [(op, "GATE_EPILOGUE", True)],
+                   "ext-late-launch": [(options, "EARLY_LAUNCH", False)]}[name]
+        before = [(module, field, getattr(module, field)) for module, field, _ in patches]
+        for module, field, value in patches:
+            setattr(module, field, value)
+        try:
+            yield
+        finally:
+            for module, field, value in before:
+                setattr(module, field, value)
+        return
+    if not name.startswith("ext-row-"):
+        yield
+        return
+    import torch_ext.hops.decode_linear as op
+
+    config = op.config
+    overrides = {}  # ext-row-n<BLOCK_N>-p<PRE_K>-k<BLOCK_K>-w<warps>
+    for part in name.split("-")[2:]:
+        key = {"p": "PRE_K", "n": "BLOCK_N", "w": "num_warps", "k": "BLOCK_K"}[part[0]]
+        overrides[key] = int(part[1:])
+
+    def patched(k):
+        cfg = {**config(k), **overrides}
+        if k % cfg["BLOCK_K"]:
+            cfg["BLOCK_K"] = config(k)["BLOCK_K"]
+        # a multiple of BLOCK_K, at most k: a power of two <= k
+        cfg["PRE_K"] = max(cfg["BLOCK_K"], min(cfg["PRE_K"], 1 << (k.bit_length() - 1)))
+        return cfg
+
+    op.config = patched
+    try:
+        yield
+    finally:
+        op.config = config
+
+
+def _one_split_attention():
+    """ext-attn1: decode attention without splitting the cache (one program per head and sequence
+    walks it all; no combine launch), while the column compiles and captures."""
+    import torch_ext.hops.decode_attention as op
+
+    target = op._TARGET_PROGRAMS
+    op._TARGET_PROGRAMS = 1
+    try:
+        yield
+    finally:
+        op._TARGET_PROGRAMS = target
