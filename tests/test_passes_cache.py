@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters as dynamo_counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import fresh_inductor_cache
 
 from torch_ext.backend import CompileConfig, counters, make_backend
@@ -44,6 +45,19 @@ def _run(model, inputs, cache_dir, passes):
     return counters.snapshot(), dynamo_counters["torch_ext"]["fuse_add_rms_norm"]
 
 
+class RecordingPass(CustomGraphPass):
+    """A user's own post-grad pass (inductor_options): appends its key to `calls` when it runs."""
+
+    def __init__(self, key, calls: list):
+        self.key, self.calls = key, calls
+
+    def __call__(self, graph):
+        self.calls.append(self.key)
+
+    def uuid(self):
+        return f"recording-{self.key}"
+
+
 @pytest.fixture
 def case(tmp_path):
     torch.manual_seed(0)
@@ -74,20 +88,11 @@ def test_a_users_own_post_pass_runs_beside_ours_and_is_cached_by_its_uuid(case, 
     """inductor_options' post_grad_custom_post_pass used to be replaced by our PassManager wherever torch_ext
     has passes (the default unfuse_output_addmm). Now it runs after them; with a uuid it keys the disk cache,
     without one nothing compiled with it is written there (said once)."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
     model, inputs, cache_dir = case
     calls = []
 
-    class Counting(CustomGraphPass):
-        def __init__(self, version):
-            self.version = version
-
-        def __call__(self, graph):
-            calls.append(self.version)
-
-        def uuid(self):
-            return f"counting-{self.version}"
+    def Counting(version):  # noqa: N802
+        return RecordingPass(version, calls)
 
     def run(user_pass):
         torch._dynamo.reset()
@@ -117,24 +122,11 @@ def test_a_users_own_post_pass_runs_beside_ours_and_is_cached_by_its_uuid(case, 
 def test_a_list_of_user_passes_runs_on_every_torch_with_no_passes_of_ours(case):
     """Newer torch takes a list as post_grad_custom_post_pass, older calls the list itself (a TypeError deep
     in Inductor); torch_ext runs the list through its PassManager on every torch, ours or none before it."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    model, inputs, cache_dir = case
+    model, inputs, _ = case
     calls = []
-
-    class Named(CustomGraphPass):
-        def __init__(self, name):
-            self.name = name
-
-        def __call__(self, graph):
-            calls.append(self.name)
-
-        def uuid(self):
-            return self.name
-
     torch._dynamo.reset()
-    config = CompileConfig(cache_dir=None, unfuse_output_addmm=False,
-                           inductor_options={"post_grad_custom_post_pass": [Named("a"), Named("b")]})
+    config = CompileConfig(cache_dir=None, unfuse_output_addmm=False, inductor_options={
+        "post_grad_custom_post_pass": [RecordingPass("a", calls), RecordingPass("b", calls)]})
     with torch.no_grad(), fresh_inductor_cache():
         torch.testing.assert_close(torch.compile(model, backend=make_backend(config))(*inputs), model(*inputs))
     assert calls[:2] == ["a", "b"]
