@@ -36,7 +36,7 @@ def column_experiment(name: str):
         import torch_ext.hops.decode_linear as op
         import torch_ext.hops.decode_linear_mma as mma
 
-        def config_before_xpf(n, device_index, rows=8):
+        def config_before_xpf(n, device_index, rows):
             sms = torch.cuda.get_device_properties(device_index).multi_processor_count
             return (1, 16, 2) if (n + 15) // 16 <= sms * 5 // 4 else (1, 8, 1)
 

@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from torch_ext.hops.cuda_launch import launch
-from torch_ext.hops.decode_linear_mma_source import SOURCE
+from torch_ext.hops.decode_linear_mma_source import build_source
 
 __all__ = ["MMA_MAX_ROWS", "decode_linear_mma", "default_config", "gate_fits", "mma_takes"]
 
@@ -24,7 +24,7 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
 @functools.lru_cache(maxsize=None)
-def default_config(n: int, device_index: int, rows: int = 8) -> tuple[int, int, int, int]:
+def default_config(n: int, device_index: int, rows: int) -> tuple[int, int, int, int]:
     """(features a block / 16, warps, chunks in flight per warp, x loaded a round ahead). H100, chains of
     16 of one Llama projection (bench/decode_linear_op.py --shapes, bench/results/decode_linear_xpf_h100_torch2.11.log),
     x cuBLAS: with x loaded a round ahead, where the blocks fit the SMs about once (o, down: N = 2048,
@@ -64,9 +64,7 @@ def mma_takes(x: torch.Tensor, weight: torch.Tensor, bias=None, norm_weight=None
     index = _index(x.device)
     if _capability(index) < (8, 0):
         return False
-    mt, warps, unroll, xpf = _full(default_config(n, index, rows))
-    return _kernel(index, _DTYPES[x.dtype], mt, (rows + 7) // 8, warps, unroll, norm_weight is not None,
-                   up is not None, gate is not None, xpf) is not None
+    return _variant(index, x.dtype, n, rows, None, norm_weight, up, gate)[0] is not None
 
 
 def gate_fits(gate, n: int) -> bool:
@@ -97,9 +95,7 @@ def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *,
     gate_start, up_start, out = gate if gate is not None else (0, 0, n)
     y = torch.empty((rows, out), dtype=x.dtype, device=x.device)
     index = _index(x.device)
-    mt, warps, unroll, xpf = _full(config or default_config(n, index, rows))
-    func = _kernel(index, _DTYPES[x.dtype], mt, (rows + 7) // 8, warps, unroll, norm_weight is not None,
-                   up is not None, gate is not None, xpf)
+    func, (mt, warps, _, _) = _variant(index, x.dtype, n, rows, config, norm_weight, up, gate)
     if func is None:
         raise RuntimeError("decode_linear_mma: the kernel did not compile (the warning before says why)")
     pdl = pdl and _capability(index) >= (9, 0)  # griddepcontrol: Hopper and newer
@@ -120,6 +116,15 @@ def _full(config: tuple[int, ...]) -> tuple[int, int, int, bool]:
     """(features a block / 16, warps, chunks in flight, x loaded a round ahead): the last optional."""
     mt, warps, unroll, *rest = config
     return mt, warps, unroll, bool(rest[0]) if rest else False
+
+
+def _variant(index: int, dtype: torch.dtype, n: int, rows: int, config, norm_weight, up, gate):
+    """(the compiled kernel for these operands, or None: see _kernel; its full config), under config or the
+    default for (n, rows)."""
+    full = _full(config or default_config(n, index, rows))
+    mt, warps, unroll, xpf = full
+    return _kernel(index, _DTYPES[dtype], mt, (rows + 7) // 8, warps, unroll, norm_weight is not None, up is not None,
+                   gate is not None, xpf), full
 
 
 def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -143,10 +148,9 @@ def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll:
         return None
     defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=int(norm), GATED=int(gated), GATE_EPILOGUE=int(gate_epilogue),
                    XPF=int(xpf))
-    source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE.replace("DTYPE", dtype)
     try:
         with torch.cuda.device(device_index):
-            return compile_kernel(source, "decode_linear_mma").func
+            return compile_kernel(build_source(dtype, defines), "decode_linear_mma").func
     except Exception as e:  # NVRTC's or the driver's error: the reference serves these calls
         warnings.warn(f"torch_ext: decode_linear's CUDA path did not compile for {defines} on device {device_index} "
                       f"({type(e).__name__}: {str(e)[:500]}); those calls run F.linear", stacklevel=2)

@@ -25,7 +25,7 @@ product. The rewrite uses it only where hops/decode_linear.py's GATE_EPILOGUE sa
 Defines set per variant: MT, NT, WARPS, U, NORM, GATED, GATE_EPILOGUE, XPF; DTYPE is replaced by bf16 / f16.
 """
 
-__all__ = ["SOURCE"]
+__all__ = ["SOURCE", "build_source"]
 
 SOURCE = r"""
 typedef unsigned int u32;
@@ -306,3 +306,8 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
   }
 }
 """
+
+
+def build_source(dtype: str, defines: dict) -> str:
+    """SOURCE for one variant: its defines first, DTYPE replaced by bf16 / f16."""
+    return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE.replace("DTYPE", dtype)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from torch_ext.hops.decode_linear_mma import MMA_MAX_ROWS, default_config
-from torch_ext.hops.decode_linear_mma_source import SOURCE
+from torch_ext.hops.decode_linear_mma_source import build_source
 
 
 def _nvrtc():
@@ -26,7 +26,7 @@ def _nvrtc():
 
 
 def _compile(lib, defines: dict, dtype: str, arch: str = "sm_90") -> tuple[int, str]:
-    code = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE.replace("DTYPE", dtype)
+    code = build_source(dtype, defines)
     program = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(program), code.encode(), b"decode_linear_mma.cu", 0, None, None) == 0
     options = [f"--gpu-architecture={arch}".encode(), b"-Xptxas=-v"]
