@@ -139,16 +139,20 @@ def _resolve_function(name: str) -> Any:
           "Name an operator as 'namespace::name', or a function Dynamo keeps as one call as 'module.function'")
 
 
-def _option_key(value: Any) -> str:
-    """An Inductor option's part of the artifact hash: a custom graph pass by its uuid (its repr names an
-    object address, new in every process), anything else by repr."""
+def inductor_option_key(value: Any) -> str | None:
+    """What identifies an Inductor option's value across processes: a custom graph pass its uuid (its repr
+    names an object address, new in every process), a list its items' keys (newer torch takes lists of
+    passes), other data its repr; None for code without a uuid (a plain function), which nothing here can
+    tell from an edited one (compile.compiler keeps such pieces out of the disk cache)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     if isinstance(value, CustomGraphPass):
-        return f"{type(value).__qualname__} uuid={value.uuid()!r}"
-    if isinstance(value, (list, tuple)):  # a list of custom passes (newer torch)
-        return f"[{', '.join(_option_key(v) for v in value)}]"
-    return repr(value)
+        uuid = value.uuid()
+        return None if uuid is None else f"{type(value).__qualname__} uuid={uuid!r}"
+    if isinstance(value, (list, tuple)):
+        keys = [inductor_option_key(v) for v in value]
+        return None if None in keys else f"[{', '.join(keys)}]"
+    return None if callable(value) else repr(value)
 
 
 def _as_int_tuple(field: str, value: Any) -> tuple[int, ...]:
@@ -349,7 +353,9 @@ class CompileConfig:
         factors = {
             "splitting_ops": list(self.splitting_ops),
             "compile_ranges_split_points": list(self.compile_ranges_split_points),
-            "inductor_options": {str(k): _option_key(v) for k, v in sorted(self.inductor_options.items())},
+            # Code without a uuid by repr: pieces compiled with it are not cached (compile.compiler).
+            "inductor_options": {str(k): inductor_option_key(v) or repr(v)
+                                 for k, v in sorted(self.inductor_options.items())},
             "hop_split": self.hop_split,
             "merge_projections": self.merge_projections,
             "decode_attention": self.uses("decode_attention"),

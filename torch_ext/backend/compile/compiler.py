@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch_ext import compat, workarounds
 from torch_ext.backend.compile.decode_options import decode_launch_order, decode_piece_patches, keyed_post_pass
 from torch_ext.backend.compile.example_values import restore_example_values
-from torch_ext.backend.config import CompileConfig
+from torch_ext.backend.config import CompileConfig, inductor_option_key
 from torch_ext.backend.counters import counters
 from torch_ext.backend.rewrite.per_size import rewrite_for_size
 
@@ -69,14 +69,7 @@ def _fake_mode_of(values):
 def _unkeyed_options(config: CompileConfig) -> list[str]:
     """inductor_options whose value is code without a uuid (a plain function as post_grad_custom_post_pass):
     the config's hash knows them only by repr, which cannot tell an edited function from this one."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    def unkeyed(v) -> bool:
-        if isinstance(v, (list, tuple)):  # newer torch takes lists of custom passes
-            return any(unkeyed(p) for p in v)
-        return callable(v) and not (isinstance(v, CustomGraphPass) and v.uuid() is not None)
-
-    return [k for k, v in config.inductor_options.items() if unkeyed(v)]
+    return [k for k, v in config.inductor_options.items() if inductor_option_key(v) is None]
 
 
 def _load_pass_manager():
