@@ -24,6 +24,7 @@ from collections.abc import Iterable
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from torch_ext.backend.config import inductor_option_key
 from torch_ext.backend.passes.base import Pass, source_hash
 
 __all__ = ["PassManager"]
@@ -78,14 +79,14 @@ class PassManager(CustomGraphPass):
             p(graph)
 
     def uuid(self) -> str | None:
-        then = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.then]
+        then = [inductor_option_key(p) for p in self.then]
         if None in then:
             return None  # a user's pass without a key: nothing may be cached under ours
         key = {
             "manager": source_hash(type(self)),  # how passes are run is part of the result too
             "compile_size": self.compile_size,
             "passes": [p.uuid() for p in self.applicable_passes()],
-            "then": repr(then),  # a CustomGraphPass's uuid may be bytes (get_hash_for_files)
+            "then": then,
         }
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()
 
