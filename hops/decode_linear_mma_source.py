@@ -6,10 +6,9 @@ to cuBLAS, which runs these shapes at ~1.4x their bytes' floor (bench/results/NO
 loss is in what surrounds the math: tl.dot stages the weight through shared memory and its pipeliner
 keeps few bytes in flight. Here each lane loads 16-byte runs of two weight rows straight into the
 registers `mma.sync.m16n8k16` reads. The sum over k does not care in which order the columns come,
-so a lane's 16 columns of a 64-column chunk (8t..8t+7 and 32+8t..32+8t+7: each load of a warp reads
-whole 32-byte sectors, 4 lanes x 16 bytes a row) are used as the fragment's columns {2t, 2t+1, 2t+8,
-2t+9} of four successive mmas, and x (the B operand) is loaded in the same order. Nothing goes through
-shared memory until the warps' partial sums are added.
+so a lane's 16 consecutive columns are used as the fragment's columns {2t, 2t+1, 2t+8, 2t+9} of four
+successive mmas, and x (the B operand) is loaded in the same order. Nothing goes through shared memory
+until the warps' partial sums are added.
 
 A block owns 16 x MT features and all K: its WARPS warps take interleaved 64-column chunks (U at a time
 per warp, the next U loaded while the last are multiplied; with XPF x too, a round ahead: at 16-32
@@ -113,7 +112,7 @@ __device__ __forceinline__ void cluster_sync() {  // every thread of the cluster
 #endif
 }
 
-// w[MT][2][2]: per m-tile, rows g and g+8, columns 8t..8t+7 and 32+8t..32+8t+7 of a 64-column chunk.
+// w[MT][2][2]: per m-tile, rows g and g+8, columns 16t..16t+7 and 16t+8..16t+15 of a 64-column chunk.
 __device__ __forceinline__ void load_chunk(u32x4 (&w)[MT][2][2], const u16* const (&rows)[MT][2], int chunk,
                                            int chunks) {
 #pragma unroll
@@ -122,7 +121,7 @@ __device__ __forceinline__ void load_chunk(u32x4 (&w)[MT][2][2], const u16* cons
     for (int r = 0; r < 2; ++r)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        w[m][r][h] = chunk < chunks ? load_weight(rows[m][r] + chunk * 64 + h * 32) : u32x4{0, 0, 0, 0};
+        w[m][r][h] = chunk < chunks ? load_weight(rows[m][r] + chunk * 64 + h * 8) : u32x4{0, 0, 0, 0};
 }
 
 struct Prologue {
@@ -136,7 +135,7 @@ struct Prologue {
 // the end: zeros).
 __device__ __forceinline__ void load_x_chunk(u32x4 (&xr)[NT][2], const u16* x, int x_stride, int chunk, int chunks,
                                              int M, int g, int t) {
-  const int col = chunk * 64 + 8 * t;
+  const int col = chunk * 64 + 16 * t;
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     const int row = 8 * j + g;
@@ -144,7 +143,7 @@ __device__ __forceinline__ void load_x_chunk(u32x4 (&xr)[NT][2], const u16* x, i
     if (row < M && chunk < chunks) {
       const u16* p = x + (long long)row * x_stride + col;
       xr[j][0] = load_x(p);
-      xr[j][1] = load_x(p + 32);
+      xr[j][1] = load_x(p + 8);
     }
   }
 }
@@ -153,11 +152,11 @@ __device__ __forceinline__ void multiply_chunk(float (&acc)[NT][MT][4], const u3
                                                const u32x4 (&xr)[NT][2], const Prologue& pro, int chunk,
                                                int chunks, int M, int g, int t) {
   if (chunk >= chunks) return;
-  const int col = chunk * 64 + 8 * t;
+  const int col = chunk * 64 + 16 * t;
   u32x4 g0 = {0, 0, 0, 0}, g1 = {0, 0, 0, 0};
 #if NORM
   g0 = load_x(pro.norm_weight + col);
-  g1 = load_x(pro.norm_weight + col + 32);
+  g1 = load_x(pro.norm_weight + col + 8);
 #endif
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
@@ -168,7 +167,7 @@ __device__ __forceinline__ void multiply_chunk(float (&acc)[NT][MT][4], const u3
       u32x4 up0 = {0, 0, 0, 0}, up1 = {0, 0, 0, 0};
 #if GATED
       up0 = load_x(pro.up + (long long)row * pro.up_stride + col);
-      up1 = load_x(pro.up + (long long)row * pro.up_stride + col + 32);
+      up1 = load_x(pro.up + (long long)row * pro.up_stride + col + 8);
 #endif
       prologue_x4(x0, g0, up0, pro.inv_rms[j]);
       prologue_x4(x1, g1, up1, pro.inv_rms[j]);
@@ -213,14 +212,14 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
   for (int m = 0; m < MT; ++m)
 #pragma unroll
     for (int r = 0; r < 2; ++r)  // a feature past N reads row N-1; its output is not written
-      rows[m][r] = w + (long long)((r ? up_start : gate_start) + min(f0 + 8 * m + g, N - 1)) * K + 8 * t;
+      rows[m][r] = w + (long long)((r ? up_start : gate_start) + min(f0 + 8 * m + g, N - 1)) * K + 16 * t;
 #else
   const int f0 = tile * 16 * MT;
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
     for (int r = 0; r < 2; ++r)  // a feature past N reads row N-1; its output is not written
-      rows[m][r] = w + (long long)min(f0 + 16 * m + 8 * r + g, N - 1) * K + 8 * t;
+      rows[m][r] = w + (long long)min(f0 + 16 * m + 8 * r + g, N - 1) * K + 16 * t;
 #endif
   const int chunks = K / 64;
   float acc[NT][MT][4];
