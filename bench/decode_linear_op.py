@@ -40,8 +40,7 @@ def main() -> int:
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--mma-configs", default="", help="the CUDA path's m-tiles x warps x chunks in flight[x 1: x prefetched"
-                    "[x blocks of a cluster splitting K]],... (with PDL)")
+    ap.add_argument("--mma-configs", default="", help="the CUDA path's m-tiles x warps x chunks in flight[x 1: x prefetched],... (with PDL)")
     ap.add_argument("--shapes", default="qkv,o,gate_up,down", help="which projections the chain holds")
     ap.add_argument("--paths", default="row,mma", help="which of the op's kernels to time beside cuBLAS")
     ap.add_argument("--mlp", action="store_true", help="a chain of gated MLPs, each reading the one before")
@@ -64,9 +63,8 @@ def main() -> int:
                     (lambda x, w, pdl=pdl: decode_linear_mma(x, w, None, pdl)) if path == "mma" else
                     (lambda x, w, pdl=pdl: decode_linear_triton(x, w, None, pdl)))
         for c in (c for c in args.mma_configs.split(",") if c):
-            cfg = tuple(int(v) for v in c.split("x"))  # m-tiles x warps x chunks [x xpf [x cluster splitting K]]
-            label = (f"mma pdl m{cfg[0]} w{cfg[1]} u{cfg[2]}" + (" xpf" if cfg[3:4] == (1,) else "")
-                     + (f" k{cfg[4]}" if cfg[4:5] > (1,) else ""))
+            cfg = tuple(int(v) for v in c.split("x"))  # m-tiles x warps x chunks [x 1: x loaded a round ahead]
+            label = f"mma pdl m{cfg[0]} w{cfg[1]} u{cfg[2]}" + (" xpf" if cfg[3:] == (1,) else "")
             variants[label] = lambda x, w, cfg=cfg: decode_linear_mma(x, w, None, True, config=cfg)
         graphs, errors = {}, {}
         for name, linear in variants.items():

@@ -13,7 +13,7 @@ __all__ = ["launch"]
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte value union
-    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_uint), ("value", ctypes.c_uint * 16)]
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_uint), ("value", ctypes.c_int), ("rest", ctypes.c_byte * 60)]
 
 
 class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
@@ -21,7 +21,6 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
-_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: value {x, y, z}
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
@@ -32,18 +31,15 @@ def _driver():
     return lib
 
 
-def launch(func, blocks: int, threads: int, args: list, pdl: bool, device_index: int, cluster: int = 1) -> None:
+def launch(func, blocks: int, threads: int, args: list, pdl: bool, device_index: int) -> None:
     """cuLaunchKernelEx on the device's current stream, with the PDL attribute where pdl (a capture
-    records it as a programmatic edge), in clusters of `cluster` consecutive blocks where above 1."""
+    records it as a programmatic edge)."""
     from torch_ext import compat
 
-    attrs = ([_LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=(ctypes.c_uint * 16)(1))] if pdl else []) + (
-        [_LaunchAttribute(id=_CLUSTER_DIMENSION, value=(ctypes.c_uint * 16)(cluster, 1, 1))] if cluster > 1 else [])
-    array = (_LaunchAttribute * max(len(attrs), 1))(*attrs)
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
     cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(blocks, 1, 1), block=(ctypes.c_uint * 3)(threads, 1, 1), shared=0,
                         stream=ctypes.c_void_p(compat.current_raw_stream(device_index)),
-                        attrs=ctypes.cast(array, ctypes.POINTER(_LaunchAttribute)) if attrs else None,
-                        num_attrs=len(attrs))
+                        attrs=ctypes.pointer(attr) if pdl else None, num_attrs=1 if pdl else 0)
     params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
     if torch.cuda.current_device() == device_index:
         result = _driver().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None)

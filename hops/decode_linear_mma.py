@@ -95,7 +95,7 @@ def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *,
     gate_start, up_start, out = gate if gate is not None else (0, 0, n)
     y = torch.empty((rows, out), dtype=x.dtype, device=x.device)
     index = _index(x.device)
-    func, (mt, warps, _, _, ksplit) = _variant(index, x.dtype, n, rows, config, norm_weight, up, gate)
+    func, (mt, warps, _, _) = _variant(index, x.dtype, n, rows, config, norm_weight, up, gate)
     if func is None:
         raise RuntimeError("decode_linear_mma: the kernel did not compile (the warning before says why)")
     pdl = pdl and _capability(index) >= (9, 0)  # griddepcontrol: Hopper and newer
@@ -108,26 +108,23 @@ def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *,
             ctypes.c_int(up2.stride(0) if up2 is not None else 0), ctypes.c_int(int(pdl)), ctypes.c_int(gate_start),
             ctypes.c_int(up_start)]
     per_block = (8 if gate is not None else 16) * mt
-    launch(func, (out + per_block - 1) // per_block * ksplit, warps * 32, args, pdl, index, cluster=ksplit)
+    launch(func, (out + per_block - 1) // per_block, warps * 32, args, pdl, index)
     return y.view(*x.shape[:-1], out)
 
 
-def _full(config: tuple[int, ...]) -> tuple[int, int, int, bool, int]:
-    """(features a block / 16, warps, chunks in flight, x loaded a round ahead, blocks of a cluster splitting
-    K): the last two optional."""
+def _full(config: tuple[int, ...]) -> tuple[int, int, int, bool]:
+    """(features a block / 16, warps, chunks in flight, x loaded a round ahead): the last optional."""
     mt, warps, unroll, *rest = config
-    return mt, warps, unroll, bool(rest[0]) if rest else False, rest[1] if len(rest) > 1 else 1
+    return mt, warps, unroll, bool(rest[0]) if rest else False
 
 
 def _variant(index: int, dtype: torch.dtype, n: int, rows: int, config, norm_weight, up, gate):
     """(the compiled kernel for these operands, or None: see _kernel; its full config), under config or the
     default for (n, rows)."""
     full = _full(config or default_config(n, index, rows))
-    mt, warps, unroll, xpf, ksplit = full
-    if ksplit > 1 and _capability(index) < (9, 0):  # thread-block clusters: Hopper and newer
-        return None, full
+    mt, warps, unroll, xpf = full
     return _kernel(index, _DTYPES[dtype], mt, (rows + 7) // 8, warps, unroll, norm_weight is not None, up is not None,
-                   gate is not None, xpf, ksplit), full
+                   gate is not None, xpf), full
 
 
 def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -141,7 +138,7 @@ def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll: int, norm: bool, gated: bool,
-            gate_epilogue: bool = False, xpf: bool = False, ksplit: int = 1):
+            gate_epilogue: bool = False, xpf: bool = False):
     """The compiled kernel (a CUfunction) for this device and variant, or None where NVRTC is missing or
     the compile fails: said once per variant, and the op runs its reference."""
     from torch_ext import compat
@@ -150,7 +147,7 @@ def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll:
     if compile_kernel is None:
         return None
     defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=int(norm), GATED=int(gated), GATE_EPILOGUE=int(gate_epilogue),
-                   XPF=int(xpf), KSPLIT=ksplit)
+                   XPF=int(xpf))
     try:
         with torch.cuda.device(device_index):
             return compile_kernel(build_source(dtype, defines), "decode_linear_mma").func

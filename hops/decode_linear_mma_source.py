@@ -22,13 +22,7 @@ silu(gate) * up itself: a fragment's rows g and g + 8 are the gate's and the up'
 output feature, so the lane that holds one half holds the other, and no kernel of its own runs the
 product. The rewrite uses it only where hops/decode_linear.py's GATE_EPILOGUE says (off: measured).
 
-With KSPLIT > 1 (Hopper: thread-block clusters) the KSPLIT blocks of a cluster share one tile of features
-and split its chunks; after each adds its warps' sums, the cluster's sums are added in rank order from the
-blocks' shared memory (distributed shared memory: deterministic, no second kernel). Why: at 16-32 rows a
-block reads all of x for its 16 x MT features, twice the bytes of its weights at MT 1; more features a
-block halve that but leave the 2048-feature projections fewer blocks than SMs, which the split restores.
-
-Defines set per variant: MT, NT, WARPS, U, NORM, GATED, GATE_EPILOGUE, XPF, KSPLIT; DTYPE is replaced by bf16 / f16.
+Defines set per variant: MT, NT, WARPS, U, NORM, GATED, GATE_EPILOGUE, XPF; DTYPE is replaced by bf16 / f16.
 """
 
 __all__ = ["SOURCE", "build_source"]
@@ -93,23 +87,6 @@ __device__ __forceinline__ void prologue_x4(u32x4& v, const u32x4& g, const u32x
 
 __device__ __forceinline__ u32 pair(const u32x4& a, const u32x4& b, int i) {  // 32-bit word i of a:b
   return i == 0 ? a.x : i == 1 ? a.y : i == 2 ? a.z : i == 3 ? a.w : i == 4 ? b.x : i == 5 ? b.y : i == 6 ? b.z : b.w;
-}
-
-// A float at the same shared-memory offset in the cluster's block of rank `rank` (distributed shared memory).
-__device__ __forceinline__ float load_rank(const float* p, u32 rank) {
-  float v = 0.f;
-#if __CUDA_ARCH__ >= 900
-  const u32 local = (u32)__cvta_generic_to_shared(p);
-  u32 remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-#endif
-  return v;
-}
-__device__ __forceinline__ void cluster_sync() {  // every thread of the cluster's blocks; orders shared memory
-#if __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
 }
 
 // w[MT][2][2]: per m-tile, rows g and g+8, columns 16t..16t+7 and 16t+8..16t+15 of a 64-column chunk.
@@ -183,16 +160,6 @@ __device__ __forceinline__ void multiply_chunk(float (&acc)[NT][MT][4], const u3
   }
 }
 
-// Term k of an output's sum: warp k's partial, or with KSPLIT block k's sum (its partial[0]).
-#define SUMS (KSPLIT > 1 ? KSPLIT : WARPS)
-__device__ __forceinline__ float sum_of(const float (&partial)[WARPS][NT * MT * 4][32], int k, int slot, int l) {
-#if KSPLIT > 1
-  return load_rank(&partial[0][slot][l], (u32)k);
-#else
-  return partial[k][slot][l];
-#endif
-}
-
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u16* __restrict__ bias,
                   const u16* __restrict__ residual, u16* __restrict__ y, const u16* __restrict__ norm_weight,
@@ -200,21 +167,18 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
                   int gate_start, int up_start) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  // A cluster's KSPLIT blocks are consecutive in x: one tile of features, chunk runs interleaved by rank.
-  const int tile = blockIdx.x / KSPLIT, rank = blockIdx.x % KSPLIT;
-  const int first = rank * WARPS + warp, stride = KSPLIT * WARPS;  // this warp's chunks: first + i * stride
   const u16* rows[MT][2];
 #if GATE_EPILOGUE
   // Output feature f is silu(Y[gate_start + f]) * Y[up_start + f]: a fragment's rows g and g + 8 are the
   // gate's and the up's weight rows of one feature, so one lane ends up holding both halves.
-  const int f0 = tile * 8 * MT;
+  const int f0 = blockIdx.x * 8 * MT;
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
     for (int r = 0; r < 2; ++r)  // a feature past N reads row N-1; its output is not written
       rows[m][r] = w + (long long)((r ? up_start : gate_start) + min(f0 + 8 * m + g, N - 1)) * K + 16 * t;
 #else
-  const int f0 = tile * 16 * MT;
+  const int f0 = blockIdx.x * 16 * MT;
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -232,7 +196,7 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
 
   u32x4 cur[U][MT][2][2];
 #pragma unroll
-  for (int u = 0; u < U; ++u) load_chunk(cur[u], rows, first + u * stride, chunks);
+  for (int u = 0; u < U; ++u) load_chunk(cur[u], rows, warp + u * WARPS, chunks);
 #if __CUDA_ARCH__ >= 900
   if (pdl) {  // the weights are in flight; x and y belong to the kernels before until they finish
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -273,18 +237,18 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
   // weights (read from L1 / L2), and loading it just before the mma stalls every round.
   u32x4 xcur[U][NT][2];
 #pragma unroll
-  for (int u = 0; u < U; ++u) load_x_chunk(xcur[u], x, x_stride, first + u * stride, chunks, M, g, t);
+  for (int u = 0; u < U; ++u) load_x_chunk(xcur[u], x, x_stride, warp + u * WARPS, chunks, M, g, t);
 #endif
-  for (int c = first; c < chunks; c += U * stride) {
+  for (int c = warp; c < chunks; c += U * WARPS) {
     u32x4 next[U][MT][2][2];
 #pragma unroll
-    for (int u = 0; u < U; ++u) load_chunk(next[u], rows, c + (U + u) * stride, chunks);
+    for (int u = 0; u < U; ++u) load_chunk(next[u], rows, c + (U + u) * WARPS, chunks);
 #if XPF
     u32x4 xnext[U][NT][2];
 #pragma unroll
-    for (int u = 0; u < U; ++u) load_x_chunk(xnext[u], x, x_stride, c + (U + u) * stride, chunks, M, g, t);
+    for (int u = 0; u < U; ++u) load_x_chunk(xnext[u], x, x_stride, c + (U + u) * WARPS, chunks, M, g, t);
 #pragma unroll
-    for (int u = 0; u < U; ++u) multiply_chunk(acc, cur[u], xcur[u], pro, c + u * stride, chunks, M, g, t);
+    for (int u = 0; u < U; ++u) multiply_chunk(acc, cur[u], xcur[u], pro, c + u * WARPS, chunks, M, g, t);
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -293,8 +257,8 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       u32x4 xr[NT][2];
-      load_x_chunk(xr, x, x_stride, c + u * stride, chunks, M, g, t);
-      multiply_chunk(acc, cur[u], xr, pro, c + u * stride, chunks, M, g, t);
+      load_x_chunk(xr, x, x_stride, c + u * WARPS, chunks, M, g, t);
+      multiply_chunk(acc, cur[u], xr, pro, c + u * WARPS, chunks, M, g, t);
     }
 #endif
 #pragma unroll
@@ -307,7 +271,7 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
           for (int h = 0; h < 2; ++h) cur[u][m][r][h] = next[u][m][r][h];
   }
 
-  // The warps' partial sums, added in warp order (then, with KSPLIT, the blocks' sums in rank order).
+  // The warps' partial sums, added in warp order.
   __shared__ float partial[WARPS][NT * MT * 4][32];
 #pragma unroll
   for (int j = 0; j < NT; ++j)
@@ -316,25 +280,15 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
 #pragma unroll
       for (int i = 0; i < 4; ++i) partial[warp][(j * MT + m) * 4 + i][lane] = acc[j][m][i];
   __syncthreads();
-#if KSPLIT > 1
-  for (int v = threadIdx.x; v < NT * MT * 4 * 32; v += WARPS * 32) {  // this block's sums into partial[0]
-    float sum = 0.f;
-    for (int k = 0; k < WARPS; ++k) sum += partial[k][v / 32][v % 32];
-    partial[0][v / 32][v % 32] = sum;
-  }
-  cluster_sync();  // every block's sums written and visible to the cluster
-#endif
   for (int v = threadIdx.x; v < NT * MT * 4 * 32; v += WARPS * 32) {
     const int slot = v / 32, l = v % 32;
-    // A fragment's 4 slots (a gate's slot + 2 too) are finished by one block of the cluster.
-    if (KSPLIT > 1 && (slot >> 2) % KSPLIT != rank) continue;
     const int j = slot / (MT * 4), m = (slot / 4) % MT, i = slot % 4;
     const int row = 8 * j + 2 * (l & 3) + (i & 1);
 #if GATE_EPILOGUE
     const int feature = f0 + 8 * m + (l >> 2);
     if (row >= M || feature >= N || (i & 2)) continue;  // slot + 2 holds the up half of this slot's feature
     float gate = 0.f, up_sum = 0.f;
-    for (int k = 0; k < SUMS; ++k) gate += sum_of(partial, k, slot, l), up_sum += sum_of(partial, k, slot + 2, l);
+    for (int k = 0; k < WARPS; ++k) gate += partial[k][slot][l], up_sum += partial[k][slot + 2][l];
     if (bias) gate += to_float(bias[gate_start + feature]), up_sum += to_float(bias[up_start + feature]);
     // Rounded where eager rounds: each projection's output, silu's, the product.
     const float h = to_float(from_float(gate));
@@ -343,16 +297,13 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
     const int feature = f0 + 16 * m + (l >> 2) + 8 * (i >> 1);
     if (row >= M || feature >= N) continue;
     float sum = 0.f;
-    for (int k = 0; k < SUMS; ++k) sum += sum_of(partial, k, slot, l);
+    for (int k = 0; k < WARPS; ++k) sum += partial[k][slot][l];
     if (bias) sum += to_float(bias[feature]);
     u16 out = from_float(sum);
 #endif
     if (residual) out = from_float(to_float(out) + to_float(residual[(long long)row * N + feature]));
     y[(long long)row * N + feature] = out;
   }
-#if KSPLIT > 1
-  cluster_sync();  // no block leaves while another may still read its shared memory
-#endif
 }
 """
 

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from torch_ext.hops.decode_linear_mma import MMA_MAX_ROWS, _full, default_config
+from torch_ext.hops.decode_linear_mma import MMA_MAX_ROWS, default_config
 from torch_ext.hops.decode_linear_mma_source import build_source
 
 
@@ -58,13 +58,12 @@ def test_every_variant_compiles_and_the_default_ones_do_not_spill():
     launched = _default_configs()
     assert {config[1] for _, config in launched} == {16, 8, 4}  # the table: warps by shape and rows
     failures, spills = [], []
-    for nt, config in sorted(launched):
-        mt, warps, unroll, xpf, ksplit = _full(config)
+    for nt, (mt, warps, unroll, xpf) in sorted(launched):
         for norm, gated, gate_epilogue in itertools.product((0, 1), repeat=3):
             if gated and gate_epilogue:
                 continue  # the op never asks for both (a gate/up projection's input is not gated)
             defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=norm, GATED=gated,
-                           GATE_EPILOGUE=gate_epilogue, XPF=xpf, KSPLIT=ksplit)
+                           GATE_EPILOGUE=gate_epilogue, XPF=xpf)
             status, log = _compile(lib, defines, "bf16")
             if status != 0:
                 failures.append((defines, log[-600:]))
@@ -79,16 +78,5 @@ def test_every_variant_compiles_and_the_default_ones_do_not_spill():
 @pytest.mark.parametrize("dtype,arch", [("f16", "sm_90"), ("bf16", "sm_80")])
 def test_float16_and_pre_hopper_builds(dtype, arch):
     """float16 operands, and sm_80 (mma.sync without griddepcontrol: the PDL guard compiles it out)."""
-    status, log = _compile(_nvrtc(), dict(MT=1, NT=2, WARPS=8, U=1, NORM=1, GATED=0, GATE_EPILOGUE=0, XPF=1, KSPLIT=1),
-                           dtype, arch)
+    status, log = _compile(_nvrtc(), dict(MT=1, NT=2, WARPS=8, U=1, NORM=1, GATED=0, GATE_EPILOGUE=0, XPF=1), dtype, arch)
     assert status == 0, log[-600:]
-
-
-@pytest.mark.parametrize("gate_epilogue", [0, 1])
-@pytest.mark.parametrize("mt,warps,ksplit", [(2, 8, 2), (1, 16, 4), (1, 2, 8)])
-def test_cluster_variants_build_without_spills(mt, warps, ksplit, gate_epilogue):
-    """Blocks of a cluster splitting K (distributed shared memory, cluster barriers: sm_90) at 32 rows."""
-    status, log = _compile(_nvrtc(), dict(MT=mt, NT=4, WARPS=warps, U=1, NORM=0, GATED=0, GATE_EPILOGUE=gate_epilogue,
-                                          XPF=1, KSPLIT=ksplit), "bf16")
-    assert status == 0, log[-600:]
-    assert not any(int(b) for b in re.findall(r"(\d+) bytes spill stores", log)), log[-600:]

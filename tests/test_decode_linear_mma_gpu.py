@@ -49,18 +49,14 @@ def test_kernel_equals_a_float64_reference(pdl, dtype, rows, k, n, bias, residua
 
 
 @pytest.mark.parametrize("config", [(1, 8, 2), (2, 8, 2), (1, 4, 4), (2, 4, 1), (1, 16, 1), (4, 2, 2), (1, 8, 1, 1),
-                                    (1, 4, 2, 1), (2, 8, 1, 1), (2, 8, 1, 1, 2), (1, 8, 1, 1, 2), (1, 16, 1, 0, 4),
-                                    (2, 4, 2, 1, 2), (1, 2, 1, 1, 8)])
+                                    (1, 4, 2, 1), (2, 8, 1, 1)])
 @pytest.mark.parametrize("rows", [2, 8, 24])
 def test_every_config_shape_gives_the_same_answer(config, rows):
-    """Features a block (16 x m-tiles), warps, chunks in flight and the blocks of a cluster splitting K
-    change who adds what; K = 5632 is 88 chunks, a multiple of none of the warp counts x chunks in flight
-    x blocks, and N = 2056 ends in a part tile. Each config gives one answer, bit for bit, call after call."""
+    """Features a block (16 x m-tiles), warps and chunks in flight change who adds what; K = 5632 is 88
+    chunks, a multiple of none of the warp counts x chunks in flight, and N = 2056 ends in a part tile."""
     x, w, b, r = _inputs(rows, 5632, 2056, torch.bfloat16, True, True, rows)
     out = decode_linear_mma(x, w, b, True, residual=r, config=config)
     assert _error(out, _expected(x, w, b, r)) < 1e-2
-    for _ in range(3):
-        assert torch.equal(decode_linear_mma(x, w, b, True, residual=r, config=config), out)
 
 
 @pytest.mark.parametrize("pdl", [False, True])
@@ -91,7 +87,6 @@ def test_fused_parts_equal_the_eager_formulation(pdl, dtype, rows, parts, config
     (2048, 11264, [0, 5632, 5632], False, False, None),  # Llama's gate/up at the default config
     (5632, 4096, [2048, 0, 2048], True, True, (1, 16, 2)),  # up first, 16 warps x 2 chunks (o and down)
     (320, 50, [5, 27, 20], True, False, (2, 4, 1)),  # slices at odd offsets, a part tile, 2 m-tiles
-    (5632, 4096, [0, 2048, 2048], True, True, (2, 8, 1, 1, 2)),  # a cluster of 2 blocks splitting K
     (64, 16, [0, 8, 8], False, True, (1, 2, 2))])
 def test_gate_epilogue_equals_the_eager_formulation(pdl, rows, k, n, gate, bias, residual, config):
     """gate=[gate_start, up_start, width]: silu(y[gate slice]) * y[up slice] (+ residual) written by the
