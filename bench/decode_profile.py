@@ -174,10 +174,13 @@ def main() -> int:
 
     # raw replays: is the full graph itself slower than the hand-captured one?
     full_runner = next(r for r in ext["full"][1].cudagraphs.runners())
+
+    def full_entry(size):  # the runner keeps its graphs under GraphKey(size, padded, weights)
+        return next(e for k, e in full_runner._entries.items() if k.size == size and not k.padded)
     print("\nRaw graph.replay() GPU us (interleaved rounds): hand vs ext-full")
     with torch.no_grad():
         for b in batches:
-            entry = full_runner._entries[b]
+            entry = full_entry(b)
             cells = [f"hand {gpu_us(hand.graphs[b].replay):7.1f} ext-full {gpu_us(entry.graph.replay):7.1f}"
                      for _ in range(3)]
             print(f"  B={b:<4d} " + " | ".join(cells))
@@ -223,7 +226,7 @@ def main() -> int:
     print("\nKernels without graphs (hand: torch.compile(dynamic=False); ext: the split graph at the capture size):")
     with torch.no_grad():
         for b in batches:
-            entry = full_runner._entries[b]
+            entry = full_entry(b)
             h = kernels(lambda: hand.compiled(inputs[b], caches, pos))  # recompiles (Inductor's cache hits)
             e = kernels(lambda: full_runner.runnable(*entry.static_args))
             print_kernels(f"B={b} hand-graph", h)
