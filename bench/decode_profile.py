@@ -223,14 +223,11 @@ def main() -> int:
               f"graph GPU {gpu_us(plan.graph.replay):.1f} us; copies per replay {len(plan.copies)}, "
               f"reused inputs {len(plan.reused)}")
     # Last: once torch.profiler has run, CUPTI slows every later launch on the host.
-    print("\nKernels without graphs (hand: torch.compile(dynamic=False); ext: the split graph at the capture size):")
+    print("\nKernels of the replayed graphs (CUPTI traces a graph's kernels one by one):")
     with torch.no_grad():
         for b in batches:
-            entry = full_entry(b)
-            h = kernels(lambda: hand.compiled(inputs[b], caches, pos))  # recompiles (Inductor's cache hits)
-            e = kernels(lambda: full_runner.runnable(*entry.static_args))
-            print_kernels(f"B={b} hand-graph", h)
-            print_kernels(f"B={b} ext-full", e)
+            for name in ("hand-graph", "ext-full"):
+                print_kernels(f"B={b} {name}", kernels(lambda: steps[name](inputs[b])))
 
     return 0
 
