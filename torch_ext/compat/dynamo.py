@@ -40,6 +40,13 @@ def hop_variables_module():
     return _hops
 
 
+def backend_fallback_exceptions() -> tuple[type, ...]:
+    """Exceptions a backend may raise for Dynamo to run the graph's frame eagerly instead (a graph break):
+    fake-tensor limits such as a data-dependent .item() inside an op's backward. Inductor raises them
+    from the same places our piece compiles do."""
+    return tuple(getattr(_exc, "exceptions_allowed_to_be_fallback", ()))
+
+
 def unimplemented(*, gb_type: str, context: str, explanation: str, hints: list[str]):
     """Raise Dynamo's graph-break error (a hard error under fullgraph=True)."""
     if hasattr(_exc, "unimplemented_v2"):  # 2.9.1: the keyword form is unimplemented_v2

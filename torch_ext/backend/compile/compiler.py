@@ -59,6 +59,19 @@ class PieceCompileError(RuntimeError):
     pass
 
 
+_said_fallback: set[str] = set()
+
+
+def _say_fallback_once(name: str, e: Exception) -> None:
+    """Torch's own backends fall back without a word; a torch_ext user hears why their graph runs eagerly."""
+    what = f"{type(e).__name__}: {e}"
+    if what not in _said_fallback:
+        _said_fallback.add(what)
+        log.warning("torch_ext: Inductor cannot compile piece %s (%s), so Dynamo runs this graph's frame eagerly, as "
+                    "it does under backend='inductor' (a graph break; TORCH_LOGS=graph_breaks shows where). A "
+                    "data-dependent value inside an op's backward (.item(), .tolist()) is the usual cause.", name, what)
+
+
 def _fake_mode_of(values):
     for v in values:
         if isinstance(v, torch._subclasses.FakeTensor):
@@ -153,6 +166,13 @@ class InductorCompiler:
                 artifact = self._standalone_compile(gm, example_inputs, variant, options)
         except torch._dynamo.exc.TorchDynamoException:
             raise  # Dynamo's own control flow (e.g. restart with specialized float scalars)
+        except compat.backend_fallback_exceptions() as e:
+            if variant.kind != "general":  # compiled outside Dynamo's call of the backend: nobody falls back
+                raise PieceCompileError(
+                    f"Inductor failed to compile piece {name} ({variant.label}): {type(e).__name__}: {e}") from e
+            # As under torch.compile's own backends: Dynamo runs this frame eagerly (a graph break).
+            _say_fallback_once(name, e)
+            raise
         except Exception as e:
             raise PieceCompileError(
                 f"Inductor failed to compile piece {name} ({variant.label}): {type(e).__name__}: {e}") from e
