@@ -8,8 +8,8 @@ import contextlib
 import torch
 
 # The columns this module knows, in the order the table lists them (ext-row-* come after, sorted).
-EXPERIMENTS = ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-prologue8", "ext-norm8", "ext-gate", "ext-late-launch",
-               "ext-attn1", "ext-lt", "ext-cublas-lt")
+EXPERIMENTS = ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-prologue8", "ext-norm8", "ext-gate", "ext-nogate",
+               "ext-late-launch", "ext-attn1", "ext-lt", "ext-cublas-lt")
 # Columns whose change acts at a kernel's launch (its config), not at compile: their graph must be
 # captured inside the context, and full CUDA graphs capture on a later call than the first.
 AT_LAUNCH = ("ext-row", "ext-noxpf", "ext-attn1", "ext-lt", "ext-cublas-lt")
@@ -31,7 +31,8 @@ def column_experiment(name: str):
         finally:
             torch.backends.cuda.preferred_blas_library(before)
         return
-    if name in ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-prologue8", "ext-norm8", "ext-gate", "ext-late-launch"):
+    if name in ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-prologue8", "ext-norm8", "ext-gate", "ext-nogate",
+                "ext-late-launch"):
         import torch_ext.backend.compile.decode_options as options
         import torch_ext.hops.decode_linear as op
         import torch_ext.hops.decode_linear_mma as mma
@@ -44,7 +45,8 @@ def column_experiment(name: str):
                    "ext-noxpf": [(mma, "default_config", config_before_xpf)],
                    "ext-prologue8": [(op, "NORM_PROLOGUE_MAX_ROWS", 8), (op, "GATE_PROLOGUE_MAX_ROWS", 8)],
                    "ext-norm8": [(op, "NORM_PROLOGUE_MAX_ROWS", 8)],
-                   "ext-gate": [(op, "GATE_EPILOGUE", True)],
+                   "ext-gate": [(op, "GATE_EPILOGUE_ROWS", range(2, op.MAX_ROWS + 1))],
+                   "ext-nogate": [(op, "GATE_EPILOGUE_ROWS", range(0))],
                    "ext-late-launch": [(options, "EARLY_LAUNCH", False)]}[name]
         before = [(module, field, getattr(module, field)) for module, field, _ in patches]
         for module, field, value in patches:

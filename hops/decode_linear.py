@@ -12,7 +12,7 @@ memory bandwidth.
         up (..., K) like x: then x = silu(x) * up (a gated MLP's input to its down projection).
         gate [gate_start, up_start, width]: the output is silu(y[..., gate_start:gate_start + width]) *
         y[..., up_start:up_start + width] for the projection's y (a gated MLP's merged gate/up projection
-        and its product, at 2..MAX_ROWS rows; the rewrite uses it where GATE_EPILOGUE says).
+        and its product, at 2..MAX_ROWS rows; the rewrite uses it where GATE_EPILOGUE_ROWS says).
         residual then has the product's shape.
         residual (..., N or width): added to the output (a residual stream's add).
 
@@ -60,15 +60,17 @@ MAX_ROWS = 32
 # (bench/results/inference_floor_norm8_h100_torch2.11.log).
 NORM_PROLOGUE_MAX_ROWS = 1
 GATE_PROLOGUE_MAX_ROWS = 1
-# Whether the rewrite puts a gated MLP's silu(gate) * up into its gate/up projection's epilogue at
-# 2..MAX_ROWS rows. Off: alone, a chain of 16 gated MLPs ran 0.781x cuBLAS with it against 0.902x with
-# an eager gate between the projections (8 rows, bench/results/decode_linear_mlp_h100_torch2.11.log),
-# but in HF Llama batch 8 the step was slower with it: 1.075 against 1.042 ms (the gate/up kernel
-# 21.3 us against 18.6: the down projection's blocks launch early behind it and load their weights
-# while it streams its own; bench/results/inference_floor_early_launch_h100_torch2.11.log). With the path
-# at 16-32 rows: batch 16 1.155 against 1.183 ms, batch 32 1.449 against 1.417 (one run,
-# bench/results/inference_floor_gate_rows32_h100_torch2.11.log).
-GATE_EPILOGUE = False
+# At which row counts the rewrite puts a gated MLP's silu(gate) * up into its gate/up projection's
+# epilogue (the CUDA path: 2..MAX_ROWS rows). Alone, a chain of 16 gated MLPs ran 0.781x cuBLAS with it
+# against 0.902x with an eager gate between the projections (8 rows,
+# bench/results/decode_linear_mlp_h100_torch2.11.log), but in HF Llama batch 8 the step was slower with
+# it: 1.075 against 1.042 ms (the gate/up kernel 21.3 us against 18.6: the down projection's blocks
+# launch early behind it and load their weights while it streams its own;
+# bench/results/inference_floor_early_launch_h100_torch2.11.log), and at batch 32 too (1.449 against
+# 1.417 ms; decode.py 1.409 against 1.351). At batch 16 it paid in both models: HF Llama 1.155 against
+# 1.183 ms, decode.py 1.041 against 1.069 (bench/results/inference_floor_gate_rows32_h100_torch2.11.log,
+# decode_h100_torch2.11_gate_rows32.log): on for 9-16 rows (two n-tiles of the mma).
+GATE_EPILOGUE_ROWS = range(9, 17)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -143,9 +145,9 @@ def serves(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def serves_gate(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the rewrite puts a gate into the op's call at this many rows (GATE_EPILOGUE; the CUDA
-    path, 2..MAX_ROWS rows, computes it)."""
-    return GATE_EPILOGUE and rows > 1 and serves(rows, dtype, device)
+    """Whether the rewrite puts a gate into the op's call at this many rows (GATE_EPILOGUE_ROWS; the
+    CUDA path, 2..MAX_ROWS rows, computes it)."""
+    return rows in GATE_EPILOGUE_ROWS and rows > 1 and serves(rows, dtype, device)
 
 
 def serves_prologue(rows: int, dtype: torch.dtype, device: torch.device, part: str) -> bool:

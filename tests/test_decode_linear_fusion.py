@@ -289,10 +289,10 @@ def _gate_of(call):
 @pytest.mark.parametrize("form,gate", [("chunk", [0, HIDDEN, HIDDEN]), ("split", [0, HIDDEN, HIDDEN]),
                                        ("up_first", [HIDDEN, 0, HIDDEN])])
 def test_above_the_prologue_rows_the_gate_runs_in_the_gate_up_projections_epilogue(monkeypatch, form, gate):
-    """With GATE_EPILOGUE on, at 2..MAX_ROWS rows (the CUDA path) silu(gate) * up over two slices of one
+    """At GATE_EPILOGUE_ROWS rows (here 2..MAX_ROWS: the CUDA path) silu(gate) * up over two slices of one
     projection's output becomes that projection's call with gate=[gate's start, up's start, width]: no
     kernel of its own. At one row the down projection's prologue takes the gate instead (as before).
-    Off (the default: slower in HF Llama, hops/decode_linear.py) the gate is left to Inductor."""
+    Outside them (the default at 4 rows: slower in HF Llama, hops/decode_linear.py) the gate is left to Inductor."""
     from torch_ext.hops import decode_linear as op
 
     monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
@@ -301,7 +301,7 @@ def test_above_the_prologue_rows_the_gate_runs_in_the_gate_up_projections_epilog
     gm, fused, out, expected = _rewritten(model, x)
     assert fused == 0 and all(_gate_of(c) is None for c in _calls(gm))
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    monkeypatch.setattr(op, "GATE_EPILOGUE", True)
+    monkeypatch.setattr(op, "GATE_EPILOGUE_ROWS", range(2, op.MAX_ROWS + 1))
     gm, fused, out, expected = _rewritten(model, x)
     gate_up, down = _calls(gm)
     assert fused == 1 and _gate_of(gate_up) == gate and not _fused_parts(down)
@@ -314,11 +314,22 @@ def test_above_the_prologue_rows_the_gate_runs_in_the_gate_up_projections_epilog
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows", [2, 8, 9, 16, 17, 32])
+def test_by_default_the_gate_epilogue_serves_9_to_16_rows(monkeypatch, rows):
+    """Where it measured faster in HF Llama and bench/decode.py (batch 16; slower at 8 and 32)."""
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    gm, fused, out, expected = _rewritten(GatedMLP("chunk").to(torch.bfloat16).eval(),
+                                          torch.randn(rows, 1, DIM, dtype=torch.bfloat16))
+    gates = [_gate_of(c) for c in _calls(gm)]
+    assert (gates[0] is not None) == (9 <= rows <= 16) and gates[1] is None
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("form", ["rows", "two_calls", "gate_read_twice"])
 def test_gate_epilogue_near_misses_are_left_alone(monkeypatch, form):
     from torch_ext.hops import decode_linear as op
 
-    monkeypatch.setattr(op, "GATE_EPILOGUE", True)
+    monkeypatch.setattr(op, "GATE_EPILOGUE_ROWS", range(2, op.MAX_ROWS + 1))
     monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
     gm, fused, out, expected = _rewritten(GatedMLP(form).to(torch.bfloat16).eval(),
                                           torch.randn(4, 1, DIM, dtype=torch.bfloat16))
@@ -342,7 +353,7 @@ def test_the_gate_runs_as_eager_computes_it_and_a_bad_gate_is_refused():
 
 
 def test_hf_llama_at_batch_four_runs_each_layers_gate_in_its_gate_up_projection(monkeypatch):
-    """HF Llama in bfloat16, a decode step at batch 4 through torch_ext.compile, GATE_EPILOGUE on: q/k/v and
+    """HF Llama in bfloat16, a decode step at batch 4 through torch_ext.compile, the gate epilogue on: q/k/v and
     gate/up merged, every projection runs the op; per layer the gate (in gate/up's epilogue) and both
     residual adds fold in, the norms stay Inductor's (NORM_PROLOGUE_MAX_ROWS); logits close to eager's over
     several steps."""
@@ -351,7 +362,7 @@ def test_hf_llama_at_batch_four_runs_each_layers_gate_in_its_gate_up_projection(
     from torch_ext.hops import decode_linear as op
     import hf_models as hf
 
-    monkeypatch.setattr(op, "GATE_EPILOGUE", True)
+    monkeypatch.setattr(op, "GATE_EPILOGUE_ROWS", range(2, op.MAX_ROWS + 1))
     monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
     model = hf.build("llama").to(torch.bfloat16).eval()
     compiled = torch_ext.compile(model, CompileConfig(cache_dir=None, guard_free_dispatch=True, decode_linear=True),

@@ -1,6 +1,6 @@
 """What a decode layer runs around its projections of a few rows, folded into torch_ext::decode_linear calls
 (the norm and gate into the next call's prologue up to decode_linear's NORM_ / GATE_PROLOGUE_MAX_ROWS rows,
-above that, where GATE_EPILOGUE says, the gate into the gate/up projection's epilogue; the residual add at
+above that, where GATE_EPILOGUE_ROWS says, the gate into the gate/up projection's epilogue; the residual add at
 every row count).
 
 After rewrite/decode_linear.py a Llama-style layer (HF's RMSNorm, a gated MLP, residual adds) reads
@@ -15,7 +15,7 @@ Here, where the graph has exactly these forms (hops/decode_linear.py computes th
   - norm: a call whose input is such an RMSNorm's output, used by decode_linear calls alone, takes h1,
     g and eps instead (norm_weight=, eps=);
   - gate: a call whose input is silu(a) * b, used by decode_linear calls alone, takes a and up=b;
-  - gate epilogue (a gate the prologue did not take, where GATE_EPILOGUE is on): silu(a) * b
+  - gate epilogue (a gate the prologue did not take, at GATE_EPILOGUE_ROWS rows): silu(a) * b
     where a and b are equal-width slices (split / chunk along the last dim) of one call's output, used
     only there, becomes that call with gate=[a's start, b's start, width];
   - residual: an add of a call's output (used by that add alone) and a tensor of the output's shape
