@@ -65,22 +65,18 @@ def test_a_data_dependent_backward_falls_back_to_eager_like_inductor(backend, ca
         assert not said
 
 
-def test_outside_dynamo_the_failure_stays_a_piece_compile_error():
+def test_outside_dynamo_the_failure_stays_a_piece_compile_error(monkeypatch):
     """A size variant compiles on a call, after Dynamo's: nobody would fall back, so the error names the piece."""
     torch._dynamo.reset()
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
 
-    class Boom(torch.nn.Module):
-        def forward(self, x):
-            raise torch._subclasses.fake_tensor.DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
+    def data_dependent(*args):
+        raise torch._subclasses.fake_tensor.DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
 
+    # monkeypatch restores the class's own staticmethod object (a plain function put back would bind self).
+    monkeypatch.setattr(compiler.InductorCompiler, "_standalone_compile", staticmethod(data_dependent))
     c = compiler.InductorCompiler(CompileConfig(cache_dir=None))
-    original = compiler.InductorCompiler._standalone_compile
-    try:
-        compiler.InductorCompiler._standalone_compile = staticmethod(lambda *a: Boom()(a[1][0]))
-        with pytest.raises(compiler.PieceCompileError, match="piece p .size=4.*DataDependentOutputException"):
-            c.compile(gm, [torch.randn(4)], compiler.Variant("size", size=4), name="p")
-        with pytest.raises(torch._subclasses.fake_tensor.DataDependentOutputException):
-            c.compile(gm, [torch.randn(4)], compiler.GENERAL, name="p")
-    finally:
-        compiler.InductorCompiler._standalone_compile = original
+    with pytest.raises(compiler.PieceCompileError, match="piece p .size=4.*DataDependentOutputException"):
+        c.compile(gm, [torch.randn(4)], compiler.Variant("size", size=4), name="p")
+    with pytest.raises(torch._subclasses.fake_tensor.DataDependentOutputException):
+        c.compile(gm, [torch.randn(4)], compiler.GENERAL, name="p")
