@@ -166,14 +166,12 @@ class InductorCompiler:
                 artifact = self._standalone_compile(gm, example_inputs, variant, options)
         except torch._dynamo.exc.TorchDynamoException:
             raise  # Dynamo's own control flow (e.g. restart with specialized float scalars)
-        except compat.backend_fallback_exceptions() as e:
-            if variant.kind != "general":  # compiled outside Dynamo's call of the backend: nobody falls back
-                raise PieceCompileError(
-                    f"Inductor failed to compile piece {name} ({variant.label}): {type(e).__name__}: {e}") from e
-            # As under torch.compile's own backends: Dynamo runs this frame eagerly (a graph break).
-            _say_fallback_once(name, e)
-            raise
         except Exception as e:
+            if variant.kind == "general" and isinstance(e, compat.backend_fallback_exceptions()):
+                # As under torch.compile's own backends: Dynamo runs this frame eagerly (a graph break). Size
+                # and range variants compile after Dynamo's call of the backend, where nobody falls back.
+                _say_fallback_once(name, e)
+                raise
             raise PieceCompileError(
                 f"Inductor failed to compile piece {name} ({variant.label}): {type(e).__name__}: {e}") from e
         finally:
