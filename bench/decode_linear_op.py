@@ -29,7 +29,7 @@ from graphs import capture, interleaved, ratio_cells  # noqa: E402
 from table import print_table  # noqa: E402
 
 from torch_ext.hops.decode_linear import decode_linear_triton  # noqa: E402
-from torch_ext.hops.decode_linear_mma import decode_linear_mma  # noqa: E402
+from torch_ext.hops.decode_linear_mma import decode_linear_mma, variant_attributes  # noqa: E402
 
 SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
           "lm_head": (32000, 2048)}  # (out, in); the default chain leaves lm_head out
@@ -40,10 +40,13 @@ def main() -> int:
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--mma-configs", default="", help="the CUDA path's m-tiles x warps x chunks in flight[x 1: x prefetched],... (with PDL)")
+    ap.add_argument("--mma-configs", default="", help="the CUDA path's m-tiles x warps x chunks in flight[x x mode: 1 x a round ahead, 2 the ordered pipeline],... (with PDL)")
     ap.add_argument("--shapes", default="qkv,o,gate_up,down", help="which projections the chain holds")
     ap.add_argument("--paths", default="row,mma", help="which of the op's kernels to time beside cuBLAS")
     ap.add_argument("--mlp", action="store_true", help="a chain of gated MLPs, each reading the one before")
+    ap.add_argument("--x-broadcast", action="store_true",
+                    help="diagnostic: every row of x reads the same row (stride 0), so x's bytes come from L1; "
+                         "against a normal run, what reading x costs the kernel")
     args = ap.parse_args()
     if args.mlp:
         return mlp_chain(args)
@@ -54,18 +57,21 @@ def main() -> int:
     floor_ms = sum(w.numel() * 2 for w in weights) / bandwidth * 1e3
     table = []
     for rows in [int(r) for r in args.rows.split(",")]:
-        inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16, device="cuda") for k in {k for _, k in shapes}}
+        inputs = {k: (torch.randn(1, k, dtype=torch.bfloat16, device="cuda").expand(rows, k) if args.x_broadcast
+                      else torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")) for k in {k for _, k in shapes}}
         variants = {"cuBLAS": lambda x, w: torch.mm(x, w.t())}
         paths = [p for p in args.paths.split(",") if p and (p != "row" or rows == 1)]
+        configs = {}
         for path in paths:
             for pdl in (False, True):
                 variants[f"{path}{' pdl' if pdl else ''}"] = (
                     (lambda x, w, pdl=pdl: decode_linear_mma(x, w, None, pdl)) if path == "mma" else
                     (lambda x, w, pdl=pdl: decode_linear_triton(x, w, None, pdl)))
         for c in (c for c in args.mma_configs.split(",") if c):
-            cfg = tuple(int(v) for v in c.split("x"))  # m-tiles x warps x chunks [x 1: x loaded a round ahead]
-            label = f"mma pdl m{cfg[0]} w{cfg[1]} u{cfg[2]}" + (" xpf" if cfg[3:] == (1,) else "")
+            cfg = tuple(int(v) for v in c.split("x"))  # m-tiles x warps x chunks [x x mode: 1 ahead, 2 ordered]
+            label = f"mma pdl m{cfg[0]} w{cfg[1]} u{cfg[2]}" + {(1,): " xpf", (2,): " ord"}.get(cfg[3:], "")
             variants[label] = lambda x, w, cfg=cfg: decode_linear_mma(x, w, None, True, config=cfg)
+            configs[label] = cfg
         graphs, errors = {}, {}
         for name, linear in variants.items():
             def chain(linear=linear):
@@ -80,11 +86,21 @@ def main() -> int:
                 print(f"{rows} rows, {name}: {type(e).__name__}: {str(e)[:200]}")
         times = interleaved(graphs, args.rounds)
         for name in graphs:
-            table.append([rows, name, *ratio_cells(times, name, "cuBLAS", floor_ms), f"{errors[name]:.1e}"])
+            table.append([rows, name, *ratio_cells(times, name, "cuBLAS", floor_ms), f"{errors[name]:.1e}",
+                          occupancy(configs.get(name), rows, shapes) if name != "cuBLAS" else ""])
     print(f"\n{args.layers} layers of {args.shapes}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor_ms:.3f} ms; {args.rounds} interleaved rounds")
-    print_table(["rows", "variant", "ms", "x floor", "x cuBLAS", "spread", "rel err"], table)
+    print_table(["rows", "variant", "ms", "x floor", "x cuBLAS", "spread", "rel err",
+                 "regs / blocks an SM (first shape)"], table)
     return 0
+
+
+def occupancy(config, rows: int, shapes) -> str:
+    """Registers a thread and blocks an SM of the CUDA path's kernel for the chain's first shape."""
+    n, k = shapes[0]
+    x = torch.empty(rows, k, dtype=torch.bfloat16, device="cuda")
+    a = variant_attributes(x, torch.empty(n, k, dtype=torch.bfloat16, device="cuda"), config)
+    return f"{a['registers']} / {a['blocks an SM']}" if a else "-"
 
 
 def mlp_chain(args) -> int:

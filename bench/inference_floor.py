@@ -43,6 +43,8 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
   ext-rows8   ext with decode_linear's CUDA path up to 8 rows (cuBLAS above: the default before 2026-11-27)
   ext-noxpf   ext with the CUDA path's launch config of before 2026-11-27 (x loaded just before its mma;
               16 warps x 2 chunks or 8 x 1 by block count)
+  ext-unordered  ext with the CUDA path's launch config of before its ordered pipeline (x mode 2, 2026-11-27:
+              x loaded a round ahead at every row count)
   ext-prologue8  ext with the norms and gates folded into decode_linear up to 8 rows (the default: one row)
   ext-norm8   ext with the norms alone folded in up to 8 rows (the gate left to Inductor)
   ext-late-launch  ext with Inductor's kernels triggering their dependents after their last load (Inductor's

@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-__all__ = ["launch"]
+__all__ = ["driver", "launch"]
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte value union
@@ -25,7 +25,8 @@ _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREA
 
 
 @functools.lru_cache(maxsize=None)
-def _driver():
+def driver():
+    """libcuda through ctypes (the driver API: launches, function attributes)."""
     lib = ctypes.CDLL("libcuda.so.1")
     lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     return lib
@@ -42,9 +43,9 @@ def launch(func, blocks: int, threads: int, args: list, pdl: bool, device_index:
                         attrs=ctypes.pointer(attr) if pdl else None, num_attrs=1 if pdl else 0)
     params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
     if torch.cuda.current_device() == device_index:
-        result = _driver().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None)
+        result = driver().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None)
     else:  # the function belongs to the device's context
         with torch.cuda.device(device_index):
-            result = _driver().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None)
+            result = driver().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None)
     if result != 0:
         raise RuntimeError(f"torch_ext: cuLaunchKernelEx failed with CUDA error {result}")

@@ -48,7 +48,8 @@ __all__ = ["GATE_PROLOGUE_MAX_ROWS", "MAX_ROWS", "NORM_PROLOGUE_MAX_ROWS", "deco
 # (hops/decode_linear_mma.py). H100, a chain of Llama projections (bench/decode_linear_op.py): one row
 # 0.83x cuBLAS's time; the CUDA path, its x loaded a round ahead and its config by shape and rows, 0.82x
 # at 8 rows, 0.84x at 16, 0.92x at 32 (summed over chains of one projection each; before x was loaded
-# ahead: 0.91x, 1.04x, 1.28x, when MAX_ROWS was 8; bench/results/decode_linear_xpf_h100_torch2.11.log).
+# ahead: 0.91x, 1.04x, 1.28x, when MAX_ROWS was 8; bench/results/decode_linear_xpf_h100_torch2.11.log; the ordered
+# pipeline took 4-13% more off at 8-16 rows since: decode_linear_mma.default_config).
 # Triton's multi-row paths (a tile per row, tl.dot; removed, in the history before commit 4d655c2) ran 2
 # rows at 1.02x, 4 at 1.30x, 8 at 1.35x (bench/results/decode_linear_op_h100_torch2.11.log).
 MAX_ROWS = 32

@@ -17,7 +17,7 @@ import torch
 from torch_ext.hops.cuda_launch import launch
 from torch_ext.hops.decode_linear_mma_source import build_source
 
-__all__ = ["MMA_MAX_ROWS", "decode_linear_mma", "default_config", "gate_fits", "mma_takes"]
+__all__ = ["MMA_MAX_ROWS", "decode_linear_mma", "default_config", "gate_fits", "mma_takes", "variant_attributes"]
 
 MMA_MAX_ROWS = 32
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -25,19 +25,22 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
 @functools.lru_cache(maxsize=None)
 def default_config(n: int, device_index: int, rows: int) -> tuple[int, int, int, int]:
-    """(features a block / 16, warps, chunks in flight per warp, x loaded a round ahead). H100, chains of
-    16 of one Llama projection (bench/decode_linear_op.py --shapes, bench/results/decode_linear_xpf_h100_torch2.11.log),
-    x cuBLAS: with x loaded a round ahead, where the blocks fit the SMs about once (o, down: N = 2048,
-    128 blocks) 16 warps with one chunk each (8 rows o 0.67x / down 0.80x, 16 rows 0.70x / 0.81x, 32 rows
-    0.89x / 0.95x); with more blocks (qkv 6144, gate_up 11264) 8 warps, 2 chunks at one n-tile (8 rows qkv
-    0.81x / gate_up 0.90x), one chunk at two (16 rows 0.81x / 0.93x), and at 32 rows 8 warps for qkv
-    (0.88x) but 4 for gate_up's 704 blocks (0.93x; 8 warps 1.04x)."""
+    """(features a block / 16, warps, chunks in flight per warp, x mode: 1 x loaded a round ahead, 2 the
+    ordered pipeline). H100, chains of 16 of one Llama projection (bench/decode_linear_op.py --shapes,
+    bench/results/decode_linear_modes_h100_torch2.11.log), x the time of the config before:
+    - where the blocks fit the SMs about once (o, down: N = 2048, 128 blocks), 16 warps; up to 16 rows
+      the ordered pipeline (o 0.90x / down 0.87x at 16 rows, 0.90x / 0.89x at 8), above that x a
+      round ahead (at 32 rows the pipeline's x registers cap 16 warps at 128 and it spills: down 1.04x);
+    - with more blocks (qkv 6144, gate_up 11264) 8 warps; up to 8 rows the ordered pipeline (qkv 0.96x,
+      gate_up 0.99x; its x registers leave fewer blocks an SM above that: qkv 1.12x at 16 rows), then x
+      a round ahead, with 4 warps at 17-32 rows where there are over 4 blocks an SM (gate_up's 704: 0.93x
+      cuBLAS, 8 warps 1.04x)."""
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     blocks = (n + 15) // 16
     if blocks <= sms * 5 // 4:
-        return (1, 16, 1, 1)
+        return (1, 16, 1, 2) if rows <= 16 else (1, 16, 1, 1)
     if rows <= 8:
-        return (1, 8, 2, 1)
+        return (1, 8, 1, 2)
     return (1, 4, 1, 1) if rows > 16 and blocks > 4 * sms else (1, 8, 1, 1)
 
 
@@ -86,7 +89,7 @@ def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *,
                       up=None, residual=None, gate=None, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """decode_linear (hops/decode_linear.py: the prologue, F.linear, the gate, the residual add) for the
     tensors mma_takes accepts; config (features a block / 16, warps, chunks in flight per warp) replaces
-    the default (bench/decode_linear_op.py), a fourth entry 1 loading x a round ahead too (XPF). With a gate
+    the default (bench/decode_linear_op.py), a fourth entry the x mode (_full). With a gate
     a block computes 8 x MT outputs from 16 x MT weight rows: as many blocks as the whole projection
     (2 x width rows) takes without it."""
     n, k = weight.shape
@@ -112,10 +115,12 @@ def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *,
     return y.view(*x.shape[:-1], out)
 
 
-def _full(config: tuple[int, ...]) -> tuple[int, int, int, bool]:
-    """(features a block / 16, warps, chunks in flight, x loaded a round ahead): the last optional."""
+def _full(config: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(features a block / 16, warps, chunks in flight, x mode): the last optional. x mode 0 loads x
+    just before the mma, 1 a round ahead, 2 runs the ordered pipeline (hops/decode_linear_mma_source.py:
+    Stage)."""
     mt, warps, unroll, *rest = config
-    return mt, warps, unroll, bool(rest[0]) if rest else False
+    return mt, warps, unroll, int(rest[0]) if rest else 0
 
 
 def _variant(index: int, dtype: torch.dtype, n: int, rows: int, config, norm_weight, up, gate):
@@ -125,6 +130,29 @@ def _variant(index: int, dtype: torch.dtype, n: int, rows: int, config, norm_wei
     mt, warps, unroll, xpf = full
     return _kernel(index, _DTYPES[dtype], mt, (rows + 7) // 8, warps, unroll, norm_weight is not None, up is not None,
                    gate is not None, xpf), full
+
+
+def variant_attributes(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...] | None = None) -> dict:
+    """Registers a thread, static shared memory and blocks an SM of the kernel that would serve
+    F.linear(x, weight) (bench/decode_linear_op.py prints them beside the times)."""
+    import ctypes
+
+    from torch_ext.hops.cuda_launch import driver
+
+    index = _index(x.device)
+    func, (mt, warps, _, _) = _variant(index, x.dtype, weight.shape[0], x.numel() // x.shape[-1], config, None, None,
+                                       None)
+    if func is None:
+        return {}
+    lib, value = driver(), ctypes.c_int()
+    attributes = {}
+    for name, attribute in (("registers", 4), ("static smem", 1)):  # CU_FUNC_ATTRIBUTE_NUM_REGS, _SHARED_SIZE_BYTES
+        lib.cuFuncGetAttribute(ctypes.byref(value), attribute, func)
+        attributes[name] = value.value
+    lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(value), func, warps * 32,
+                                                    ctypes.c_size_t(0))
+    attributes["blocks an SM"] = value.value
+    return attributes
 
 
 def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -138,7 +166,7 @@ def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll: int, norm: bool, gated: bool,
-            gate_epilogue: bool = False, xpf: bool = False):
+            gate_epilogue: bool = False, xpf: int = 0):
     """The compiled kernel (a CUfunction) for this device and variant, or None where NVRTC is missing or
     the compile fails: said once per variant, and the op runs its reference."""
     from torch_ext import compat
@@ -147,7 +175,7 @@ def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll:
     if compile_kernel is None:
         return None
     defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=int(norm), GATED=int(gated), GATE_EPILOGUE=int(gate_epilogue),
-                   XPF=int(xpf))
+                   XPF=xpf)
     try:
         with torch.cuda.device(device_index):
             return compile_kernel(build_source(dtype, defines), "decode_linear_mma").func

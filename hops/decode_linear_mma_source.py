@@ -20,7 +20,12 @@ no kernel of the graph writes weights (the rewrite checks), x is read only after
 With a gate (GATE_EPILOGUE: a gated MLP's merged gate/up projection) the epilogue writes
 silu(gate) * up itself: a fragment's rows g and g + 8 are the gate's and the up's weight rows of one
 output feature, so the lane that holds one half holds the other, and no kernel of its own runs the
-product. The rewrite uses it only where hops/decode_linear.py's GATE_EPILOGUE says (off: measured).
+product. The rewrite uses it only where hops/decode_linear.py's GATE_EPILOGUE_ROWS says (measured).
+
+What the source asks for is not always what runs: with XPF 0 / 1 ptxas issues a round's loads only after
+the previous round's mma (the disassembly shows it; see Stage), which keeps registers few and blocks an
+SM many. XPF 2, the ordered pipeline, keeps the loads ahead of the mma at the cost of registers: it pays
+where the SMs hold one block each anyway (decode_linear_mma.default_config has the numbers).
 
 Defines set per variant: MT, NT, WARPS, U, NORM, GATED, GATE_EPILOGUE, XPF; DTYPE is replaced by bf16 / f16.
 """
@@ -32,11 +37,17 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 struct __align__(16) u32x4 { u32 x, y, z, w; };
 
-// Streamed once per step: no L1 allocation.
+// Streamed once per step: no L1 allocation. In the ordered pipeline (XPF 2) a plain load: ptxas moves
+// a non-coherent (.nc) load past __syncwarp, and sinks it below the mma it was issued ahead of.
 __device__ __forceinline__ u32x4 load_weight(const u16* p) {
   u32x4 v;
+#if XPF == 2
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#else
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#endif
   return v;
 }
 __device__ __forceinline__ u32x4 load_x(const u16* p) {
@@ -160,6 +171,39 @@ __device__ __forceinline__ void multiply_chunk(float (&acc)[NT][MT][4], const u3
   }
 }
 
+#if XPF == 2
+// The ordered pipeline: a round's operands (U chunks of weights and their x per warp) in one of two
+// stages used in turn. Copying `next` into `cur` (XPF 0 / 1) lets ptxas give both the same registers,
+// and then it issues the next round's loads only after this round's mma: nothing of the warp's is in
+// flight while its tensor cores work. Here the loads are issued, then __syncwarp (ptxas keeps
+// coherent loads above it), then the mma.
+struct Stage {
+  u32x4 w[U][MT][2][2];
+  u32x4 x[U][NT][2];
+};
+
+__device__ __forceinline__ void load_weights(Stage& s, const u16* const (&rows)[MT][2], int c, int chunks) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) load_chunk(s.w[u], rows, c + u * WARPS, chunks);
+}
+
+__device__ __forceinline__ void load_xs(Stage& s, const u16* x, int x_stride, int c, int chunks, int M, int g, int t) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) load_x_chunk(s.x[u], x, x_stride, c + u * WARPS, chunks, M, g, t);
+}
+
+// Multiply `cur` (chunks c, c + WARPS, ...) while `next` is loaded with the round after it.
+__device__ __forceinline__ void round_(float (&acc)[NT][MT][4], const Stage& cur, Stage& next,
+                                       const u16* const (&rows)[MT][2], const u16* x, int x_stride,
+                                       const Prologue& pro, int c, int chunks, int M, int g, int t) {
+  load_weights(next, rows, c + U * WARPS, chunks);
+  load_xs(next, x, x_stride, c + U * WARPS, chunks, M, g, t);
+  __syncwarp();
+#pragma unroll
+  for (int u = 0; u < U; ++u) multiply_chunk(acc, cur.w[u], cur.x[u], pro, c + u * WARPS, chunks, M, g, t);
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u16* __restrict__ bias,
                   const u16* __restrict__ residual, u16* __restrict__ y, const u16* __restrict__ norm_weight,
@@ -194,9 +238,14 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[j][m][i] = 0.f;
 
+#if XPF == 2
+  Stage a, b;
+  load_weights(a, rows, warp, chunks);
+#else
   u32x4 cur[U][MT][2][2];
 #pragma unroll
   for (int u = 0; u < U; ++u) load_chunk(cur[u], rows, warp + u * WARPS, chunks);
+#endif
 #if __CUDA_ARCH__ >= 900
   if (pdl) {  // the weights are in flight; x and y belong to the kernels before until they finish
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -232,6 +281,13 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
     for (int j = 0; j < NT; ++j) pro.inv_rms[j] = 8 * j + g < M ? inv_rms[8 * j + g] : 1.f;
   }
 #endif
+#if XPF == 2
+  load_xs(a, x, x_stride, warp, chunks, M, g, t);
+  for (int c = warp; c < chunks; c += 2 * U * WARPS) {
+    round_(acc, a, b, rows, x, x_stride, pro, c, chunks, M, g, t);
+    round_(acc, b, a, rows, x, x_stride, pro, c + U * WARPS, chunks, M, g, t);
+  }
+#else
 #if XPF
   // x loaded a round ahead too, beside the weights: at 16-32 rows a chunk's x is more bytes than its
   // weights (read from L1 / L2), and loading it just before the mma stalls every round.
@@ -270,6 +326,7 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
 #pragma unroll
           for (int h = 0; h < 2; ++h) cur[u][m][r][h] = next[u][m][r][h];
   }
+#endif
 
   // The warps' partial sums, added in warp order.
   __shared__ float partial[WARPS][NT * MT * 4][32];

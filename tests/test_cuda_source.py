@@ -75,6 +75,16 @@ def test_every_variant_compiles_and_the_default_ones_do_not_spill():
     assert not spills, spills
 
 
+@pytest.mark.parametrize("nt,warps,unroll", [(4, 4, 1), (4, 8, 1), (4, 16, 1), (2, 8, 2), (1, 16, 1)])
+def test_the_ordered_pipeline_compiles_with_every_prologue(nt, warps, unroll):
+    """x mode 2 (hops/decode_linear_mma_source.py: Stage) for the tile shapes the defaults use."""
+    lib = _nvrtc()
+    for norm, gated, gate_epilogue in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 0, 1)):
+        defines = dict(MT=1, NT=nt, WARPS=warps, U=unroll, NORM=norm, GATED=gated, GATE_EPILOGUE=gate_epilogue, XPF=2)
+        status, log = _compile(lib, defines, "bf16")
+        assert status == 0, (defines, log[-600:])
+
+
 @pytest.mark.parametrize("dtype,arch", [("f16", "sm_90"), ("bf16", "sm_80")])
 def test_float16_and_pre_hopper_builds(dtype, arch):
     """float16 operands, and sm_80 (mma.sync without griddepcontrol: the PDL guard compiles it out)."""
