@@ -77,14 +77,6 @@ def saveable_training_patches() -> dict:
     return {}
 
 
-def saves_training_pieces() -> bool:
-    """Whether a piece compiled with gradients can be saved (saveable_training_patches): 2.10+; 2.9.1's
-    artifact lacks the AOTAutograd entry and its save raises."""
-    from torch_ext.compat.versions import TORCH_VERSION
-
-    return TORCH_VERSION >= (2, 10)
-
-
 def combo_kernels_measured() -> bool:
     """Inductor's combo kernels (horizontal fusion) for our decode pieces: measured correct and faster on
     2.11 (the GPU machines' torch) and on by default there and after; earlier torches had open combo

@@ -214,7 +214,7 @@ class InductorCompiler:
                 # entry is missing from the artifact), and a model has many.
                 level = logging.DEBUG if InductorCompiler._said_unsaveable else logging.WARNING
                 InductorCompiler._said_unsaveable = True
-                why = "" if compat.saves_training_pieces() or not torch.is_grad_enabled() else (
+                why = "" if compat.TRAINING_ARTIFACTS_SAVEABLE or not torch.is_grad_enabled() else (
                     f"torch {torch.__version__} cannot save a piece that needs gradients; ")
                 detail = str(e) if len(str(e)) <= 200 else str(e)[:200] + "..."  # 2.9.1's dumps a whole CacheInfo
                 log.log(level, "torch_ext: a compiled piece cannot be saved to the cache (%s%s: %s); it is "
