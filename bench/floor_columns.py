@@ -41,14 +41,12 @@ def column_experiment(name: str):
             sms = torch.cuda.get_device_properties(device_index).multi_processor_count
             return (1, 16, 2) if (n + 15) // 16 <= sms * 5 // 4 else (1, 8, 1)
 
-        def config_before_ordered(n, device_index, rows):  # the launch configs before the ordered pipeline
-            sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-            blocks = (n + 15) // 16
-            if blocks <= sms * 5 // 4:
-                return (1, 16, 1, 1)
-            if rows <= 8:
-                return (1, 8, 2, 1)
-            return (1, 4, 1, 1) if rows > 16 and blocks > 4 * sms else (1, 8, 1, 1)
+        ordered_default = mma.default_config
+        before_ordered = {(1, 16, 1, 2): (1, 16, 1, 1), (1, 8, 1, 2): (1, 8, 2, 1)}
+
+        def config_before_ordered(n, device_index, rows):  # the defaults, the ordered pipeline's as they were
+            config = ordered_default(n, device_index, rows)
+            return before_ordered.get(config, config)
 
         patches = {"ext-rows1": [(op, "MAX_ROWS", 1)], "ext-rows8": [(op, "MAX_ROWS", 8)],
                    "ext-noxpf": [(mma, "default_config", config_before_xpf)],

@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from torch_ext.hops.cuda_launch import launch
+from torch_ext.hops.cuda_launch import driver, launch
 from torch_ext.hops.decode_linear_mma_source import build_source
 
 __all__ = ["MMA_MAX_ROWS", "decode_linear_mma", "default_config", "gate_fits", "mma_takes", "variant_attributes"]
@@ -133,26 +133,17 @@ def _variant(index: int, dtype: torch.dtype, n: int, rows: int, config, norm_wei
 
 
 def variant_attributes(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...] | None = None) -> dict:
-    """Registers a thread, static shared memory and blocks an SM of the kernel that would serve
-    F.linear(x, weight) (bench/decode_linear_op.py prints them beside the times)."""
-    import ctypes
-
-    from torch_ext.hops.cuda_launch import driver
-
+    """Registers a thread and blocks an SM of the kernel that would serve F.linear(x, weight)
+    (bench/decode_linear_op.py prints them beside the times)."""
     index = _index(x.device)
-    func, (mt, warps, _, _) = _variant(index, x.dtype, weight.shape[0], x.numel() // x.shape[-1], config, None, None,
+    func, (_, warps, _, _) = _variant(index, x.dtype, weight.shape[0], x.numel() // x.shape[-1], config, None, None,
                                        None)
     if func is None:
         return {}
-    lib, value = driver(), ctypes.c_int()
-    attributes = {}
-    for name, attribute in (("registers", 4), ("static smem", 1)):  # CU_FUNC_ATTRIBUTE_NUM_REGS, _SHARED_SIZE_BYTES
-        lib.cuFuncGetAttribute(ctypes.byref(value), attribute, func)
-        attributes[name] = value.value
-    lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(value), func, warps * 32,
-                                                    ctypes.c_size_t(0))
-    attributes["blocks an SM"] = value.value
-    return attributes
+    lib, registers, blocks = driver(), ctypes.c_int(), ctypes.c_int()
+    lib.cuFuncGetAttribute(ctypes.byref(registers), 4, func)  # CU_FUNC_ATTRIBUTE_NUM_REGS
+    lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), func, warps * 32, ctypes.c_size_t(0))
+    return {"registers": registers.value, "blocks an SM": blocks.value}
 
 
 def _rows(t: torch.Tensor, k: int) -> torch.Tensor:

@@ -216,7 +216,9 @@ class InductorCompiler:
                 InductorCompiler._said_unsaveable = True
                 why = "" if compat.TRAINING_ARTIFACTS_SAVEABLE or not torch.is_grad_enabled() else (
                     f"torch {torch.__version__} cannot save a piece that needs gradients; ")
-                detail = str(e) if len(str(e)) <= 200 else str(e)[:200] + "..."  # 2.9.1's dumps a whole CacheInfo
+                detail = str(e)
+                if len(detail) > 200:  # 2.9.1's prints a whole CacheInfo
+                    detail = detail[:200] + "..."
                 log.log(level, "torch_ext: a compiled piece cannot be saved to the cache (%s%s: %s); it is "
                         "recompiled in the next process (Inductor's own cache still applies). Further such "
                         "pieces are logged at DEBUG.", why, type(e).__name__, detail)
