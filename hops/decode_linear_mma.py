@@ -120,7 +120,10 @@ def _full(config: tuple[int, ...]) -> tuple[int, int, int, int]:
     just before the mma, 1 a round ahead, 2 runs the ordered pipeline (hops/decode_linear_mma_source.py:
     Stage)."""
     mt, warps, unroll, *rest = config
-    return mt, warps, unroll, int(rest[0]) if rest else 0
+    mode = int(rest[0]) if rest else 0
+    if mode not in (0, 1, 2):  # the source knows no other: it would compile as mode 1 without a word
+        raise ValueError(f"decode_linear_mma: config {tuple(config)}: x mode {mode} is not 0, 1 or 2")
+    return mt, warps, unroll, mode
 
 
 def _variant(index: int, dtype: torch.dtype, n: int, rows: int, config, norm_weight, up, gate):

@@ -90,3 +90,12 @@ def test_float16_and_pre_hopper_builds(dtype, arch):
     """float16 operands, and sm_80 (mma.sync without griddepcontrol: the PDL guard compiles it out)."""
     status, log = _compile(_nvrtc(), dict(MT=1, NT=2, WARPS=8, U=1, NORM=1, GATED=0, GATE_EPILOGUE=0, XPF=1), dtype, arch)
     assert status == 0, log[-600:]
+
+
+def test_a_config_names_only_the_x_modes_the_source_has():
+    """A fourth config entry the source does not know would compile as mode 1 without a word."""
+    from torch_ext.hops.decode_linear_mma import _full
+
+    assert _full((1, 8, 2)) == (1, 8, 2, 0) and _full((1, 16, 1, 2)) == (1, 16, 1, 2)
+    with pytest.raises(ValueError, match="x mode 3 is not 0, 1 or 2"):
+        _full((1, 8, 1, 3))
