@@ -40,7 +40,7 @@ def main() -> int:
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--mma-configs", default="", help="the CUDA path's m-tiles x warps x chunks in flight[x x mode: 1 x a round ahead, 2 the ordered pipeline],... (with PDL)")
+    ap.add_argument("--mma-configs", default="", help="the CUDA path's m-tiles x warps x chunks in flight[x x mode: 1 x a round ahead, 2 the ordered pipeline, 3 the same with x through shared memory],... (with PDL)")
     ap.add_argument("--shapes", default="qkv,o,gate_up,down", help="which projections the chain holds")
     ap.add_argument("--paths", default="row,mma", help="which of the op's kernels to time beside cuBLAS")
     ap.add_argument("--mlp", action="store_true", help="a chain of gated MLPs, each reading the one before")
@@ -69,7 +69,7 @@ def main() -> int:
                     (lambda x, w, pdl=pdl: decode_linear_triton(x, w, None, pdl)))
         for c in (c for c in args.mma_configs.split(",") if c):
             cfg = tuple(int(v) for v in c.split("x"))  # m-tiles x warps x chunks [x x mode: 1 ahead, 2 ordered]
-            label = f"mma pdl m{cfg[0]} w{cfg[1]} u{cfg[2]}" + {(1,): " xpf", (2,): " ord"}.get(cfg[3:], "")
+            label = f"mma pdl m{cfg[0]} w{cfg[1]} u{cfg[2]}" + {(1,): " xpf", (2,): " ord", (3,): " ord-smem"}.get(cfg[3:], "")
             variants[label] = lambda x, w, cfg=cfg: decode_linear_mma(x, w, None, True, config=cfg)
             configs[label] = cfg
         graphs, errors = {}, {}

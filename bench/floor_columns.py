@@ -8,11 +8,11 @@ import contextlib
 import torch
 
 # The columns this module knows, in the order the table lists them (ext-row-* come after, sorted).
-EXPERIMENTS = ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-unordered", "ext-prologue8", "ext-norm8", "ext-gate", "ext-nogate",
+EXPERIMENTS = ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-unordered", "ext-no-xsmem", "ext-prologue8", "ext-norm8", "ext-gate", "ext-nogate",
                "ext-late-launch", "ext-attn1", "ext-lt", "ext-cublas-lt")
 # Columns whose change acts at a kernel's launch (its config), not at compile: their graph must be
 # captured inside the context, and full CUDA graphs capture on a later call than the first.
-AT_LAUNCH = ("ext-row", "ext-noxpf", "ext-unordered", "ext-attn1", "ext-lt", "ext-cublas-lt")
+AT_LAUNCH = ("ext-row", "ext-noxpf", "ext-unordered", "ext-no-xsmem", "ext-attn1", "ext-lt", "ext-cublas-lt")
 
 
 @contextlib.contextmanager
@@ -31,7 +31,7 @@ def column_experiment(name: str):
         finally:
             torch.backends.cuda.preferred_blas_library(before)
         return
-    if name in ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-unordered", "ext-prologue8", "ext-norm8", "ext-gate", "ext-nogate",
+    if name in ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-unordered", "ext-no-xsmem", "ext-prologue8", "ext-norm8", "ext-gate", "ext-nogate",
                 "ext-late-launch"):
         import torch_ext.backend.compile.decode_options as options
         import torch_ext.hops.decode_linear as op
@@ -42,15 +42,21 @@ def column_experiment(name: str):
             return (1, 16, 2) if (n + 15) // 16 <= sms * 5 // 4 else (1, 8, 1)
 
         ordered_default = mma.default_config
-        before_ordered = {(1, 16, 1, 2): (1, 16, 1, 1), (1, 8, 1, 2): (1, 8, 2, 1)}
+        before_ordered = {(1, 16, 1, 2): (1, 16, 1, 1), (1, 8, 1, 2): (1, 8, 2, 1), (1, 16, 1, 3): (1, 16, 1, 1)}
+        before_x_smem = {(1, 16, 1, 3): (1, 16, 1, 1)}
 
         def config_before_ordered(n, device_index, rows):  # the defaults, the ordered pipeline's as they were
             config = ordered_default(n, device_index, rows)
             return before_ordered.get(config, config)
 
+        def config_before_x_smem(n, device_index, rows):  # x a round ahead in registers where x now goes through smem
+            config = ordered_default(n, device_index, rows)
+            return before_x_smem.get(config, config)
+
         patches = {"ext-rows1": [(op, "MAX_ROWS", 1)], "ext-rows8": [(op, "MAX_ROWS", 8)],
                    "ext-noxpf": [(mma, "default_config", config_before_xpf)],
                    "ext-unordered": [(mma, "default_config", config_before_ordered)],
+                   "ext-no-xsmem": [(mma, "default_config", config_before_x_smem)],
                    "ext-prologue8": [(op, "NORM_PROLOGUE_MAX_ROWS", 8), (op, "GATE_PROLOGUE_MAX_ROWS", 8)],
                    "ext-norm8": [(op, "NORM_PROLOGUE_MAX_ROWS", 8)],
                    "ext-gate": [(op, "GATE_EPILOGUE_ROWS", range(2, op.MAX_ROWS + 1))],

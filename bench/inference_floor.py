@@ -45,6 +45,8 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
               16 warps x 2 chunks or 8 x 1 by block count)
   ext-unordered  ext with the CUDA path's launch config of before its ordered pipeline (x mode 2, 2026-11-27:
               x loaded a round ahead at every row count)
+  ext-no-xsmem  ext with x in registers, a round ahead, where the one-wave projections at 17-32 rows now
+              stage it through shared memory (x mode 3, 2026-11-27 session 5)
   ext-prologue8  ext with the norms and gates folded into decode_linear up to 8 rows (the default: one row)
   ext-norm8   ext with the norms alone folded in up to 8 rows (the gate left to Inductor)
   ext-late-launch  ext with Inductor's kernels triggering their dependents after their last load (Inductor's

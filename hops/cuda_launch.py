@@ -32,13 +32,13 @@ def driver():
     return lib
 
 
-def launch(func, blocks: int, threads: int, args: list, pdl: bool, device_index: int) -> None:
-    """cuLaunchKernelEx on the device's current stream, with the PDL attribute where pdl (a capture
-    records it as a programmatic edge)."""
+def launch(func, blocks: int, threads: int, args: list, pdl: bool, device_index: int, shared: int = 0) -> None:
+    """cuLaunchKernelEx on the device's current stream, with `shared` bytes of dynamic shared memory and
+    the PDL attribute where pdl (a capture records it as a programmatic edge)."""
     from torch_ext import compat
 
     attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-    cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(blocks, 1, 1), block=(ctypes.c_uint * 3)(threads, 1, 1), shared=0,
+    cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(blocks, 1, 1), block=(ctypes.c_uint * 3)(threads, 1, 1), shared=shared,
                         stream=ctypes.c_void_p(compat.current_raw_stream(device_index)),
                         attrs=ctypes.pointer(attr) if pdl else None, num_attrs=1 if pdl else 0)
     params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])

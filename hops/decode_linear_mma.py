@@ -26,11 +26,13 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 @functools.lru_cache(maxsize=None)
 def default_config(n: int, device_index: int, rows: int) -> tuple[int, int, int, int]:
     """(features a block / 16, warps, chunks in flight per warp, x mode: 1 x loaded a round ahead, 2 the
-    ordered pipeline). H100, chains of 16 of one Llama projection (bench/decode_linear_op.py --shapes,
-    bench/results/decode_linear_modes_h100_torch2.11.log), x the time of the config before:
+    ordered pipeline, 3 the same with x through shared memory). H100, chains of 16 of one Llama
+    projection (bench/decode_linear_op.py --shapes, bench/results/decode_linear_modes_h100_torch2.11.log,
+    decode_linear_x_smem_h100_torch2.11.log), x the time of the config before:
     - where the blocks fit the SMs about once (o, down: N = 2048, 128 blocks), 16 warps; up to 16 rows
-      the ordered pipeline (o 0.90x / down 0.87x at 16 rows, 0.90x / 0.89x at 8), above that x a
-      round ahead (at 32 rows the pipeline's x registers cap 16 warps at 128 and it spills: down 1.04x);
+      the ordered pipeline (o 0.90x / down 0.87x at 16 rows, 0.90x / 0.89x at 8), above that with x
+      through shared memory (o 0.88x / down 0.89x at 32 rows, 0.87x / 0.95x at 24: the pipeline's x
+      registers cap 16 warps at 128 there and it spills; at 8-16 rows mode 3 ties or loses);
     - with more blocks (qkv 6144, gate_up 11264) 8 warps; up to 8 rows the ordered pipeline (qkv 0.96x,
       gate_up 0.99x; its x registers leave fewer blocks an SM above that: qkv 1.12x at 16 rows), then x
       a round ahead, with 4 warps at 17-32 rows where there are over 4 blocks an SM (gate_up's 704: 0.93x
@@ -38,7 +40,7 @@ def default_config(n: int, device_index: int, rows: int) -> tuple[int, int, int,
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     blocks = (n + 15) // 16
     if blocks <= sms * 5 // 4:
-        return (1, 16, 1, 2) if rows <= 16 else (1, 16, 1, 1)
+        return (1, 16, 1, 2) if rows <= 16 else (1, 16, 1, 3)
     if rows <= 8:
         return (1, 8, 1, 2)
     return (1, 4, 1, 1) if rows > 16 and blocks > 4 * sms else (1, 8, 1, 1)
@@ -98,7 +100,7 @@ def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *,
     gate_start, up_start, out = gate if gate is not None else (0, 0, n)
     y = torch.empty((rows, out), dtype=x.dtype, device=x.device)
     index = _index(x.device)
-    func, (mt, warps, _, _) = _variant(index, x.dtype, n, rows, config, norm_weight, up, gate)
+    func, (mt, warps, unroll, mode) = _variant(index, x.dtype, n, rows, config, norm_weight, up, gate)
     if func is None:
         raise RuntimeError("decode_linear_mma: the kernel did not compile (the warning before says why)")
     pdl = pdl and _capability(index) >= (9, 0)  # griddepcontrol: Hopper and newer
@@ -111,7 +113,8 @@ def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *,
             ctypes.c_int(up2.stride(0) if up2 is not None else 0), ctypes.c_int(int(pdl)), ctypes.c_int(gate_start),
             ctypes.c_int(up_start)]
     per_block = (8 if gate is not None else 16) * mt
-    launch(func, (out + per_block - 1) // per_block, warps * 32, args, pdl, index)
+    launch(func, (out + per_block - 1) // per_block, warps * 32, args, pdl, index,
+           x_shared_bytes(mt, (rows + 7) // 8, warps, unroll, mode))
     return y.view(*x.shape[:-1], out)
 
 
@@ -121,9 +124,20 @@ def _full(config: tuple[int, ...]) -> tuple[int, int, int, int]:
     Stage)."""
     mt, warps, unroll, *rest = config
     mode = int(rest[0]) if rest else 0
-    if mode not in (0, 1, 2):  # the source knows no other: it would compile as mode 1 without a word
-        raise ValueError(f"decode_linear_mma: config {tuple(config)}: x mode {mode} is not 0, 1 or 2")
+    if mode not in (0, 1, 2, 3):  # the source knows no other: it would compile as mode 1 without a word
+        raise ValueError(f"decode_linear_mma: config {tuple(config)}: x mode {mode} is not 0, 1, 2 or 3")
     return mt, warps, unroll, mode
+
+
+# x mode 3's shared-memory slots a warp: the round being multiplied and the one being copied (three, x
+# two rounds ahead, ran slower: 128 KB more of shared memory is that much less L1 for the weights' loads).
+X_SLOTS = 2
+
+
+def x_shared_bytes(mt: int, nt: int, warps: int, unroll: int, mode: int) -> int:
+    """Dynamic shared memory of a variant: x mode 3's slots, nt x 8 rows x 64 columns of 16-bit x a warp
+    and chunk in flight."""
+    return X_SLOTS * warps * unroll * nt * 8 * 64 * 2 if mode == 3 else 0
 
 
 def _variant(index: int, dtype: torch.dtype, n: int, rows: int, config, norm_weight, up, gate):
@@ -139,13 +153,14 @@ def variant_attributes(x: torch.Tensor, weight: torch.Tensor, config: tuple[int,
     """Registers a thread and blocks an SM of the kernel that would serve F.linear(x, weight)
     (bench/decode_linear_op.py prints them beside the times)."""
     index = _index(x.device)
-    func, (_, warps, _, _) = _variant(index, x.dtype, weight.shape[0], x.numel() // x.shape[-1], config, None, None,
-                                       None)
+    func, (mt, warps, unroll, mode) = _variant(index, x.dtype, weight.shape[0], x.numel() // x.shape[-1], config, None,
+                                               None, None)
     if func is None:
         return {}
     lib, registers, blocks = driver(), ctypes.c_int(), ctypes.c_int()
     lib.cuFuncGetAttribute(ctypes.byref(registers), 4, func)  # CU_FUNC_ATTRIBUTE_NUM_REGS
-    lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), func, warps * 32, ctypes.c_size_t(0))
+    shared = x_shared_bytes(mt, (x.numel() // x.shape[-1] + 7) // 8, warps, unroll, mode)
+    lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), func, warps * 32, ctypes.c_size_t(shared))
     return {"registers": registers.value, "blocks an SM": blocks.value}
 
 
@@ -169,10 +184,16 @@ def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll:
     if compile_kernel is None:
         return None
     defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=int(norm), GATED=int(gated), GATE_EPILOGUE=int(gate_epilogue),
-                   XPF=xpf)
+                   XPF=xpf, XS=X_SLOTS)
     try:
         with torch.cuda.device(device_index):
-            return compile_kernel(build_source(dtype, defines), "decode_linear_mma").func
+            func = compile_kernel(build_source(dtype, defines), "decode_linear_mma").func
+            shared = x_shared_bytes(mt, nt, warps, unroll, xpf)
+            if shared:  # above 48 KB, static included, a kernel must ask for its dynamic shared memory
+                result = driver().cuFuncSetAttribute(func, 8, shared)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                if result != 0:
+                    raise RuntimeError(f"cuFuncSetAttribute({shared} bytes of shared memory) failed with CUDA error {result}")
+            return func
     except Exception as e:  # NVRTC's or the driver's error: the reference serves these calls
         warnings.warn(f"torch_ext: decode_linear's CUDA path did not compile for {defines} on device {device_index} "
                       f"({type(e).__name__}: {str(e)[:500]}); those calls run F.linear", stacklevel=2)

@@ -25,9 +25,11 @@ product. The rewrite uses it only where hops/decode_linear.py's GATE_EPILOGUE_RO
 What the source asks for is not always what runs: with XPF 0 / 1 ptxas issues a round's loads only after
 the previous round's mma (the disassembly shows it; see Stage), which keeps registers few and blocks an
 SM many. XPF 2, the ordered pipeline, keeps the loads ahead of the mma at the cost of registers: it pays
-where the SMs hold one block each anyway (decode_linear_mma.default_config has the numbers).
+where the SMs hold one block each anyway (decode_linear_mma.default_config has the numbers). XPF 3 is
+the ordered pipeline with x copied through shared memory (cp.async, XS slots a warp), for 17-32 rows,
+where x's registers are more than 16 warps can hold.
 
-Defines set per variant: MT, NT, WARPS, U, NORM, GATED, GATE_EPILOGUE, XPF; DTYPE is replaced by bf16 / f16.
+Defines set per variant: MT, NT, WARPS, U, NORM, GATED, GATE_EPILOGUE, XPF, XS; DTYPE is replaced by bf16 / f16.
 """
 
 __all__ = ["SOURCE", "build_source"]
@@ -37,11 +39,11 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 struct __align__(16) u32x4 { u32 x, y, z, w; };
 
-// Streamed once per step: no L1 allocation. In the ordered pipeline (XPF 2) a plain load: ptxas moves
+// Streamed once per step: no L1 allocation. In the ordered pipeline (XPF 2, 3) a plain load: ptxas moves
 // a non-coherent (.nc) load past __syncwarp, and sinks it below the mma it was issued ahead of.
 __device__ __forceinline__ u32x4 load_weight(const u16* p) {
   u32x4 v;
-#if XPF == 2
+#if XPF >= 2
   asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
 #else
@@ -171,6 +173,75 @@ __device__ __forceinline__ void multiply_chunk(float (&acc)[NT][MT][4], const u3
   }
 }
 
+#if XPF == 3
+// The ordered pipeline with x through shared memory (17-32 rows, where x's registers are what the
+// ordered pipeline cannot afford): a warp copies its rounds' x with cp.async, XS - 1 rounds ahead, and
+// reads it back just before the mma. The copy is coalesced (a lane copies 16 bytes of a 128-byte row
+// run: 4 whole rows an instruction; the mma's own layout would fetch every 32-byte sector twice with L1
+// bypassed), the read takes the mma's layout; 16-byte units are swizzled by the row's parity so the 8
+// lanes of a read phase (2 rows, 4 units each) hit distinct banks. x holds no registers while in flight.
+extern __shared__ u32x4 x_slots[];  // [XS][WARPS][U][NT * 8 rows][8 units of 16 bytes]
+
+__device__ __forceinline__ u32x4* x_slot(int round, int u, int warp) {
+  return x_slots + (((round % XS) * WARPS + warp) * U + u) * NT * 64;
+}
+
+__device__ __forceinline__ int x_unit(int row, int unit) { return row * 8 + (unit ^ (row & 1)); }
+
+struct Stage {
+  u32x4 w[U][MT][2][2];
+};
+
+__device__ __forceinline__ void load_weights(Stage& s, const u16* const (&rows)[MT][2], int c, int chunks) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) load_chunk(s.w[u], rows, c + u * WARPS, chunks);
+}
+
+// Round `round`'s x (chunks c, c + WARPS, ...) into its slots, as one cp.async group; rows past M and
+// chunks past the end are filled with zeros (a source size of 0 reads nothing).
+__device__ __forceinline__ void copy_xs(int round, const u16* x, int x_stride, int c, int chunks, int M, int warp,
+                                        int lane) {
+  const int unit = lane & 7;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int chunk = c + u * WARPS;
+    u32x4* slot = x_slot(round, u, warp);
+#pragma unroll
+    for (int i = 0; i < 2 * NT; ++i) {
+      const int row = (lane >> 3) + 4 * i;
+      const bool inside = row < M && chunk < chunks;
+      const u16* p = inside ? x + (long long)row * x_stride + chunk * 64 + unit * 8 : x;
+      const u32 dst = (u32)__cvta_generic_to_shared(slot + x_unit(row, unit));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(p), "r"(inside ? 16 : 0));
+    }
+  }
+  asm volatile("cp.async.commit_group;");
+}
+
+// Multiply `cur` (round `round`: chunks c, c + WARPS, ...) while `next`'s weights and the x of round
+// `round` + XS - 1 (into the slots round - 1 read: hence the first __syncwarp) are loaded.
+__device__ __forceinline__ void round_(float (&acc)[NT][MT][4], const Stage& cur, Stage& next,
+                                       const u16* const (&rows)[MT][2], const u16* x, int x_stride,
+                                       const Prologue& pro, int round, int c, int chunks, int M, int warp, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  load_weights(next, rows, c + U * WARPS, chunks);
+  __syncwarp();
+  copy_xs(round + XS - 1, x, x_stride, c + (XS - 1) * U * WARPS, chunks, M, warp, lane);
+  asm volatile("cp.async.wait_group %0;" ::"n"(XS - 1) : "memory");
+  __syncwarp();  // the other lanes' copies of this round are visible
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const u32x4* slot = x_slot(round, u, warp);
+    u32x4 xr[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) xr[j][h] = slot[x_unit(8 * j + g, 2 * t + h)];
+    multiply_chunk(acc, cur.w[u], xr, pro, c + u * WARPS, chunks, M, g, t);
+  }
+}
+#endif
+
 #if XPF == 2
 // The ordered pipeline: a round's operands (U chunks of weights and their x per warp) in one of two
 // stages used in turn. Copying `next` into `cur` (XPF 0 / 1) lets ptxas give both the same registers,
@@ -238,7 +309,7 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[j][m][i] = 0.f;
 
-#if XPF == 2
+#if XPF >= 2
   Stage a, b;
   load_weights(a, rows, warp, chunks);
 #else
@@ -281,7 +352,15 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
     for (int j = 0; j < NT; ++j) pro.inv_rms[j] = 8 * j + g < M ? inv_rms[8 * j + g] : 1.f;
   }
 #endif
-#if XPF == 2
+#if XPF == 3
+#pragma unroll
+  for (int r = 0; r < XS - 1; ++r) copy_xs(r, x, x_stride, warp + r * U * WARPS, chunks, M, warp, lane);
+  for (int c = warp, r = 0; c < chunks; c += 2 * U * WARPS, r += 2) {
+    round_(acc, a, b, rows, x, x_stride, pro, r, c, chunks, M, warp, lane);
+    round_(acc, b, a, rows, x, x_stride, pro, r + 1, c + U * WARPS, chunks, M, warp, lane);
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");  // the copies past the end (zero-filled) land before exit
+#elif XPF == 2
   load_xs(a, x, x_stride, warp, chunks, M, g, t);
   for (int c = warp; c < chunks; c += 2 * U * WARPS) {
     round_(acc, a, b, rows, x, x_stride, pro, c, chunks, M, g, t);
@@ -329,7 +408,7 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
 #endif
 
   // The warps' partial sums, added in warp order.
-  __shared__ float partial[WARPS][NT * MT * 4][32];
+  __shared__ float partial[WARPS][NT * MT * 4][32];  // (in the x slots instead: no faster, measured)
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from torch_ext.hops.decode_linear_mma import MMA_MAX_ROWS, default_config
+from torch_ext.hops.decode_linear_mma import MMA_MAX_ROWS, X_SLOTS, default_config
 from torch_ext.hops.decode_linear_mma_source import build_source
 
 
@@ -63,7 +63,7 @@ def test_every_variant_compiles_and_the_default_ones_do_not_spill():
             if gated and gate_epilogue:
                 continue  # the op never asks for both (a gate/up projection's input is not gated)
             defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=norm, GATED=gated,
-                           GATE_EPILOGUE=gate_epilogue, XPF=xpf)
+                           GATE_EPILOGUE=gate_epilogue, XPF=xpf, XS=X_SLOTS)
             status, log = _compile(lib, defines, "bf16")
             if status != 0:
                 failures.append((defines, log[-600:]))
@@ -75,14 +75,19 @@ def test_every_variant_compiles_and_the_default_ones_do_not_spill():
     assert not spills, spills
 
 
+@pytest.mark.parametrize("xpf", [2, 3])
 @pytest.mark.parametrize("nt,warps,unroll", [(4, 4, 1), (4, 8, 1), (4, 16, 1), (2, 8, 2), (1, 16, 1)])
-def test_the_ordered_pipeline_compiles_with_every_prologue(nt, warps, unroll):
-    """x mode 2 (hops/decode_linear_mma_source.py: Stage) for the tile shapes the defaults use."""
+def test_the_ordered_pipeline_compiles_with_every_prologue(nt, warps, unroll, xpf):
+    """x modes 2 and 3 (hops/decode_linear_mma_source.py: Stage; x in registers, or through shared
+    memory) for the tile shapes the defaults use; mode 3 without a spill."""
     lib = _nvrtc()
     for norm, gated, gate_epilogue in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 0, 1)):
-        defines = dict(MT=1, NT=nt, WARPS=warps, U=unroll, NORM=norm, GATED=gated, GATE_EPILOGUE=gate_epilogue, XPF=2)
+        defines = dict(MT=1, NT=nt, WARPS=warps, U=unroll, NORM=norm, GATED=gated, GATE_EPILOGUE=gate_epilogue,
+                       XPF=xpf, XS=X_SLOTS)
         status, log = _compile(lib, defines, "bf16")
         assert status == 0, (defines, log[-600:])
+        if xpf == 3 and not (norm or gated or gate_epilogue):
+            assert not any(int(b) for b in re.findall(r"(\d+) bytes spill stores", log)), (defines, log)
 
 
 @pytest.mark.parametrize("dtype,arch", [("f16", "sm_90"), ("bf16", "sm_80")])
@@ -97,5 +102,6 @@ def test_a_config_names_only_the_x_modes_the_source_has():
     from torch_ext.hops.decode_linear_mma import _full
 
     assert _full((1, 8, 2)) == (1, 8, 2, 0) and _full((1, 16, 1, 2)) == (1, 16, 1, 2)
-    with pytest.raises(ValueError, match="x mode 3 is not 0, 1 or 2"):
-        _full((1, 8, 1, 3))
+    assert _full((1, 16, 1, 3)) == (1, 16, 1, 3)
+    with pytest.raises(ValueError, match="x mode 4 is not 0, 1, 2 or 3"):
+        _full((1, 8, 1, 4))

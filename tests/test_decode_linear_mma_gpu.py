@@ -49,7 +49,8 @@ def test_kernel_equals_a_float64_reference(pdl, dtype, rows, k, n, bias, residua
 
 
 @pytest.mark.parametrize("config", [(1, 8, 2), (2, 8, 2), (1, 4, 4), (2, 4, 1), (1, 16, 1), (4, 2, 2), (1, 8, 1, 1),
-                                    (1, 4, 2, 1), (2, 8, 1, 1), (1, 8, 1, 2), (1, 4, 2, 2), (2, 8, 1, 2)])
+                                    (1, 4, 2, 1), (2, 8, 1, 1), (1, 8, 1, 2), (1, 4, 2, 2), (2, 8, 1, 2),
+                                    (1, 16, 1, 3), (1, 8, 2, 3), (2, 4, 1, 3), (4, 4, 1, 3)])
 @pytest.mark.parametrize("rows", [2, 8, 24])
 def test_every_config_shape_gives_the_same_answer(config, rows):
     """Features a block (16 x m-tiles), warps and chunks in flight change who adds what; K = 5632 is 88
@@ -62,14 +63,16 @@ def test_every_config_shape_gives_the_same_answer(config, rows):
 @pytest.mark.parametrize("rows", [2, 9, 32])
 @pytest.mark.parametrize("warps,unroll", [(4, 1), (8, 1), (16, 1), (8, 2)])
 def test_the_ordered_pipeline_adds_in_the_same_order(rows, warps, unroll):
-    """x mode 2 (loads issued before the mma they overlap, two stages in turn) multiplies the same
-    chunks in the same order as mode 1: the same bits, with the norm and gate prologues too."""
+    """x modes 2 and 3 (loads issued before the mma they overlap, two stages in turn; x in registers or
+    through shared memory) multiply the same chunks in the same order as mode 1: the same bits, with the
+    norm and gate prologues too."""
     x, w, b, r = _inputs(rows, 5632, 2056, torch.bfloat16, True, True, rows + warps)
     norm_weight = torch.randn(5632, device="cuda", dtype=torch.bfloat16)
     up = torch.randn_like(x)
     for kwargs in ({"residual": r}, {"norm_weight": norm_weight, "eps": 1e-6}, {"up": up}, {"gate": [0, 1028, 1028]}):
-        one, two = (decode_linear_mma(x, w, b, True, config=(1, warps, unroll, mode), **kwargs) for mode in (1, 2))
-        assert torch.equal(one, two), kwargs
+        one, *others = (decode_linear_mma(x, w, b, True, config=(1, warps, unroll, mode), **kwargs) for mode in (1, 2, 3))
+        for mode, other in enumerate(others, 2):
+            assert torch.equal(one, other), (mode, kwargs)
 
 
 @pytest.mark.parametrize("pdl", [False, True])
