@@ -49,8 +49,6 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
               stage it through shared memory (x mode 3, 2026-11-27 session 5)
   ext-prologue8  ext with the norms and gates folded into decode_linear up to 8 rows (the default: one row)
   ext-norm8   ext with the norms alone folded in up to 8 rows (the gate left to Inductor)
-  ext-norm32  ext with the norms folded in up to 32 rows (bfloat16: the CUDA path's deferred norm, scaled
-              in its epilogue); ext-norm32-prepass the same with the pass over x per block instead
   ext-late-launch  ext with Inductor's kernels triggering their dependents after their last load (Inductor's
               own placement; ext moves it to right after their first wait)
   ext-gate    ext with decode_linear's gate epilogue at every row count of its CUDA path (silu(gate) * up

@@ -129,12 +129,6 @@ def _full(config: tuple[int, ...]) -> tuple[int, int, int, int]:
     return mt, warps, unroll, mode
 
 
-# How the kernel fuses a norm in bfloat16 (the source's NORM 2): x * norm weight into the mma, each row's
-# sum scaled by its 1 / rms in the epilogue, the sum of squares gathered from the x the lanes load anyway.
-# Else (float16, where x * norm weight could overflow before the scaling; a gate after the norm) NORM 1:
-# a pass over x first.
-NORM_DEFERRED = True
-
 # x mode 3's shared-memory slots a warp: the round being multiplied and the one being copied (three, x
 # two rounds ahead, ran slower: 128 KB more of shared memory is that much less L1 for the weights' loads).
 X_SLOTS = 2
@@ -151,8 +145,7 @@ def _variant(index: int, dtype: torch.dtype, n: int, rows: int, config, norm_wei
     default for (n, rows)."""
     full = _full(config or default_config(n, index, rows))
     mt, warps, unroll, xpf = full
-    norm = 0 if norm_weight is None else 2 if dtype == torch.bfloat16 and up is None and NORM_DEFERRED else 1
-    return _kernel(index, _DTYPES[dtype], mt, (rows + 7) // 8, warps, unroll, norm, up is not None,
+    return _kernel(index, _DTYPES[dtype], mt, (rows + 7) // 8, warps, unroll, norm_weight is not None, up is not None,
                    gate is not None, xpf), full
 
 
@@ -181,7 +174,7 @@ def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll: int, norm: int, gated: bool,
+def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll: int, norm: bool, gated: bool,
             gate_epilogue: bool = False, xpf: int = 0):
     """The compiled kernel (a CUfunction) for this device and variant, or None where NVRTC is missing or
     the compile fails: said once per variant, and the op runs its reference."""
@@ -190,7 +183,7 @@ def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll:
     compile_kernel = compat.cuda_kernel_compiler()
     if compile_kernel is None:
         return None
-    defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=norm, GATED=int(gated), GATE_EPILOGUE=int(gate_epilogue),
+    defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=int(norm), GATED=int(gated), GATE_EPILOGUE=int(gate_epilogue),
                    XPF=xpf, XS=X_SLOTS)
     try:
         with torch.cuda.device(device_index):

@@ -76,7 +76,7 @@ __device__ __forceinline__ u16 from_float(float f) {
 // x's prologue on a pair of 16-bit values, rounding where eager rounds (hops/decode_linear.py:
 // prologue_reference): RMSNorm (times inv_rms, round, times the norm weight, round), then silu(x) * up.
 __device__ __forceinline__ u16 prologue(u16 v, u16 g, u16 up, float inv_rms) {
-#if NORM == 1
+#if NORM
   v = from_float(to_float(v) * inv_rms);
   v = from_float(to_float(g) * to_float(v));
 #endif
@@ -98,36 +98,6 @@ __device__ __forceinline__ void prologue_x4(u32x4& v, const u32x4& g, const u32x
   v.w = prologue_pair(v.w, g.w, up.w, inv_rms);
 }
 
-#if NORM == 2
-#if GATED
-#error "the deferred norm scales the projection's sum: a gate (silu) on the normalized x cannot follow it"
-#endif
-// The deferred norm (NORM 2): the mma takes x * norm weight (one rounding) and the epilogue scales each
-// row's sum by its 1 / rms, whose sum of squares the lanes gather from the raw x they load anyway: no
-// pass over x before the main loop (NORM 1 makes one in every block, at 8-32 rows a cost of its own).
-__device__ __forceinline__ float sum_squares(const u32x4& v) {
-  const u32 words[4] = {v.x, v.y, v.z, v.w};
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float lo = to_float((u16)(words[i] & 0xffff)), hi = to_float((u16)(words[i] >> 16));
-    s = fmaf(lo, lo, fmaf(hi, hi, s));
-  }
-  return s;
-}
-__device__ __forceinline__ u32 times_pair(u32 a, u32 b) {  // a * b, elementwise, rounded once
-  u32 d;
-  asm("fma.rn.DTYPEx2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-  return d;
-}
-__device__ __forceinline__ void times_x4(u32x4& v, const u32x4& g) {
-  v.x = times_pair(v.x, g.x);
-  v.y = times_pair(v.y, g.y);
-  v.z = times_pair(v.z, g.z);
-  v.w = times_pair(v.w, g.w);
-}
-#endif
-
 __device__ __forceinline__ u32 pair(const u32x4& a, const u32x4& b, int i) {  // 32-bit word i of a:b
   return i == 0 ? a.x : i == 1 ? a.y : i == 2 ? a.z : i == 3 ? a.w : i == 4 ? b.x : i == 5 ? b.y : i == 6 ? b.z : b.w;
 }
@@ -148,8 +118,7 @@ struct Prologue {
   const u16* norm_weight;
   const u16* up;
   int up_stride;  // elements between up's rows
-  float inv_rms[NT];  // of this lane's rows 8j + g (NORM 1)
-  float sum_squares[NT];  // of this lane's rows 8j + g over the columns it has multiplied (NORM 2)
+  float inv_rms[NT];  // of this lane's rows 8j + g
 };
 
 // x's raw 16-byte runs for one chunk, in the order load_chunk's weights use (rows past M, chunks past
@@ -170,7 +139,7 @@ __device__ __forceinline__ void load_x_chunk(u32x4 (&xr)[NT][2], const u16* x, i
 }
 
 __device__ __forceinline__ void multiply_chunk(float (&acc)[NT][MT][4], const u32x4 (&w)[MT][2][2],
-                                               const u32x4 (&xr)[NT][2], Prologue& pro, int chunk,
+                                               const u32x4 (&xr)[NT][2], const Prologue& pro, int chunk,
                                                int chunks, int M, int g, int t) {
   if (chunk >= chunks) return;
   const int col = chunk * 64 + 16 * t;
@@ -183,11 +152,7 @@ __device__ __forceinline__ void multiply_chunk(float (&acc)[NT][MT][4], const u3
   for (int j = 0; j < NT; ++j) {
     const int row = 8 * j + g;
     u32x4 x0 = xr[j][0], x1 = xr[j][1];
-#if NORM == 2
-    pro.sum_squares[j] += sum_squares(x0) + sum_squares(x1);  // rows past M are zeros
-    times_x4(x0, g0);
-    times_x4(x1, g1);
-#elif NORM || GATED
+#if NORM || GATED
     if (row < M) {
       u32x4 up0 = {0, 0, 0, 0}, up1 = {0, 0, 0, 0};
 #if GATED
@@ -257,7 +222,7 @@ __device__ __forceinline__ void copy_xs(int round, const u16* x, int x_stride, i
 // `round` + XS - 1 (into the slots round - 1 read: hence the first __syncwarp) are loaded.
 __device__ __forceinline__ void round_(float (&acc)[NT][MT][4], const Stage& cur, Stage& next,
                                        const u16* const (&rows)[MT][2], const u16* x, int x_stride,
-                                       Prologue& pro, int round, int c, int chunks, int M, int warp, int lane) {
+                                       const Prologue& pro, int round, int c, int chunks, int M, int warp, int lane) {
   const int g = lane >> 2, t = lane & 3;
   load_weights(next, rows, c + U * WARPS, chunks);
   __syncwarp();
@@ -301,7 +266,7 @@ __device__ __forceinline__ void load_xs(Stage& s, const u16* x, int x_stride, in
 // Multiply `cur` (chunks c, c + WARPS, ...) while `next` is loaded with the round after it.
 __device__ __forceinline__ void round_(float (&acc)[NT][MT][4], const Stage& cur, Stage& next,
                                        const u16* const (&rows)[MT][2], const u16* x, int x_stride,
-                                       Prologue& pro, int c, int chunks, int M, int g, int t) {
+                                       const Prologue& pro, int c, int chunks, int M, int g, int t) {
   load_weights(next, rows, c + U * WARPS, chunks);
   load_xs(next, x, x_stride, c + U * WARPS, chunks, M, g, t);
   __syncwarp();
@@ -363,8 +328,8 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
   pro.up = up;
   pro.up_stride = up_stride;
 #pragma unroll
-  for (int j = 0; j < NT; ++j) pro.inv_rms[j] = 1.f, pro.sum_squares[j] = 0.f;
-#if NORM == 1
+  for (int j = 0; j < NT; ++j) pro.inv_rms[j] = 1.f;
+#if NORM
   {  // each row's mean square, a warp a row (x is a few KB, in L2)
     __shared__ float inv_rms[NT * 8];
     for (int row = warp; row < M; row += WARPS) {
@@ -450,34 +415,16 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
     for (int m = 0; m < MT; ++m)
 #pragma unroll
       for (int i = 0; i < 4; ++i) partial[warp][(j * MT + m) * 4 + i][lane] = acc[j][m][i];
-#if NORM == 2
-  __shared__ float row_squares[WARPS][NT * 8];  // a warp's sums of squares per row, over its columns
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    float s = pro.sum_squares[j];
-    s += __shfl_xor_sync(0xffffffff, s, 1);
-    s += __shfl_xor_sync(0xffffffff, s, 2);
-    if (t == 0) row_squares[warp][8 * j + g] = s;
-  }
-#endif
   __syncthreads();
   for (int v = threadIdx.x; v < NT * MT * 4 * 32; v += WARPS * 32) {
     const int slot = v / 32, l = v % 32;
     const int j = slot / (MT * 4), m = (slot / 4) % MT, i = slot % 4;
     const int row = 8 * j + 2 * (l & 3) + (i & 1);
-#if NORM == 2
-    float squares = 0.f;  // added in warp order: the same bits every run
-    for (int k = 0; k < WARPS; ++k) squares += row_squares[k][row < M ? row : 0];
-    const float inv_rms = rsqrtf(squares / K + eps);
-#else
-    const float inv_rms = 1.f;
-#endif
 #if GATE_EPILOGUE
     const int feature = f0 + 8 * m + (l >> 2);
     if (row >= M || feature >= N || (i & 2)) continue;  // slot + 2 holds the up half of this slot's feature
     float gate = 0.f, up_sum = 0.f;
     for (int k = 0; k < WARPS; ++k) gate += partial[k][slot][l], up_sum += partial[k][slot + 2][l];
-    gate *= inv_rms, up_sum *= inv_rms;
     if (bias) gate += to_float(bias[gate_start + feature]), up_sum += to_float(bias[up_start + feature]);
     // Rounded where eager rounds: each projection's output, silu's, the product.
     const float h = to_float(from_float(gate));
@@ -487,7 +434,6 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
     if (row >= M || feature >= N) continue;
     float sum = 0.f;
     for (int k = 0; k < WARPS; ++k) sum += partial[k][slot][l];
-    sum *= inv_rms;
     if (bias) sum += to_float(bias[feature]);
     u16 out = from_float(sum);
 #endif

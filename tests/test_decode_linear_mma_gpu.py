@@ -81,10 +81,8 @@ def test_the_ordered_pipeline_adds_in_the_same_order(rows, warps, unroll):
 @pytest.mark.parametrize("parts", [("norm",), ("norm", "residual"), ("up",), ("norm", "up", "residual")])
 @pytest.mark.parametrize("config", [None, (1, 8, 1, 1), (1, 16, 1, 3)])  # x a round ahead / through shared memory
 def test_fused_parts_equal_the_eager_formulation(pdl, dtype, rows, parts, config):
-    """The norm / gate / residual add inside the kernel against eager's prologue (its roundings), the
-    projection in float64, rounded, plus the residual. A bfloat16 norm alone is the deferred one (x times
-    the norm weight, each row's sum scaled by its 1 / rms): other roundings, the same tolerance. up is a
-    row-strided view, as a merged gate/up output's half is."""
+    """The norm / gate / residual add inside the kernel: eager's prologue (its roundings), the projection
+    in float64, rounded, plus the residual. up is a row-strided view, as a merged gate/up output's half is."""
     k, n = 2048, 5632
     g = torch.Generator(device="cuda").manual_seed(rows + len(parts))
     x = torch.randn(rows, 1, k, device="cuda", dtype=dtype, generator=g) * 3
