@@ -122,6 +122,10 @@ def mlp_chain(args) -> int:
         "mma pdl gate": lambda h, wgu, wd: decode_linear_mma(
             decode_linear_mma(h, wgu, None, True, gate=gate), wd, None, True, residual=h),
     }
+    for c in (c for c in args.mma_configs.split(",") if c):  # configs for the gated gate/up kernel
+        cfg = tuple(int(v) for v in c.split("x"))
+        variants[f"mma pdl gate, gate/up {c}"] = lambda h, wgu, wd, cfg=cfg: decode_linear_mma(
+            decode_linear_mma(h, wgu, None, True, gate=gate, config=cfg), wd, None, True, residual=h)
     table = []
     for rows in [int(r) for r in args.rows.split(",")]:
         start = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
