@@ -37,13 +37,16 @@ def default_config(n: int, device_index: int, rows: int) -> tuple[int, int, int,
       gate_up 0.99x; its x registers leave fewer blocks an SM above that: qkv 1.12x at 16 rows), then x
       a round ahead, with 4 warps at 17-32 rows where there are over 4 blocks an SM (gate_up's 704: 0.93x
       cuBLAS, 8 warps 1.04x)."""
-    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    props = torch.cuda.get_device_properties(device_index)
     blocks = (n + 15) // 16
-    if blocks <= sms * 5 // 4:
-        return (1, 16, 1, 2) if rows <= 16 else (1, 16, 1, 3)
+    if blocks <= props.multi_processor_count * 5 // 4:
+        if rows <= 16:
+            return (1, 16, 1, 2)
+        # x mode 3 where its shared memory fits a block (an H100 or A100, not an sm_86 / sm_89 card's 99 KB)
+        return (1, 16, 1, 3) if _shared_bytes(1, (rows + 7) // 8, 16, 1, 3) <= _optin(props) else (1, 16, 1, 1)
     if rows <= 8:
         return (1, 8, 1, 2)
-    return (1, 4, 1, 1) if rows > 16 and blocks > 4 * sms else (1, 8, 1, 1)
+    return (1, 4, 1, 1) if rows > 16 and blocks > 4 * props.multi_processor_count else (1, 8, 1, 1)
 
 
 def mma_takes(x: torch.Tensor, weight: torch.Tensor, bias=None, norm_weight=None, up=None, residual=None,
@@ -132,6 +135,17 @@ def _full(config: tuple[int, ...]) -> tuple[int, int, int, int]:
 # x mode 3's shared-memory slots a warp: the round being multiplied and the one being copied (three, x
 # two rounds ahead, ran slower: 128 KB more of shared memory is that much less L1 for the weights' loads).
 X_SLOTS = 2
+
+
+def _shared_bytes(mt: int, nt: int, warps: int, unroll: int, mode: int) -> int:
+    """A variant's shared memory, dynamic and static: x's slots, the warps' partial sums, the norm's
+    1 / rms (hops/decode_linear_mma_source.py)."""
+    return x_shared_bytes(mt, nt, warps, unroll, mode) + warps * nt * mt * 4 * 32 * 4 + nt * 8 * 4
+
+
+def _optin(props) -> int:
+    """Shared memory a block may ask for on this device (0 where torch does not say)."""
+    return getattr(props, "shared_memory_per_block_optin", 0)
 
 
 def x_shared_bytes(mt: int, nt: int, warps: int, unroll: int, mode: int) -> int:

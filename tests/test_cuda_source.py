@@ -41,7 +41,7 @@ def _compile(lib, defines: dict, dtype: str, arch: str = "sm_90") -> tuple[int, 
 
 def _default_configs() -> set[tuple[int, tuple[int, ...]]]:
     """(n-tiles, config) of every launch the op's defaults make on a 132-SM GPU (H100, H200)."""
-    props = type("Props", (), {"multi_processor_count": 132})()
+    props = type("Props", (), {"multi_processor_count": 132, "shared_memory_per_block_optin": 232448})()
     original = torch.cuda.get_device_properties
     torch.cuda.get_device_properties = lambda index: props
     try:
@@ -105,3 +105,18 @@ def test_a_config_names_only_the_x_modes_the_source_has():
     assert _full((1, 16, 1, 3)) == (1, 16, 1, 3)
     with pytest.raises(ValueError, match="x mode 4 is not 0, 1, 2 or 3"):
         _full((1, 8, 1, 4))
+
+
+@pytest.mark.parametrize("optin,mode", [(232448, 3), (166912, 3), (101376, 1), (0, 1)])
+def test_x_through_shared_memory_only_where_a_block_may_have_it(monkeypatch, optin, mode):
+    """x mode 3 at 17-32 rows needs ~160 KB of shared memory a block: an H100 (227 KB) or A100 (163 KB)
+    has it; an sm_86 / sm_89 card (99 KB) gets x a round ahead in registers rather than a failed launch
+    setup and F.linear."""
+    props = type("Props", (), {"multi_processor_count": 132, "shared_memory_per_block_optin": optin})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    default_config.cache_clear()
+    try:
+        assert default_config(2048, 0, 32) == (1, 16, 1, mode)
+        assert default_config(2048, 0, 16) == (1, 16, 1, 2)  # no shared memory for x up to 16 rows
+    finally:
+        default_config.cache_clear()
