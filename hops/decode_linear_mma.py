@@ -123,8 +123,8 @@ def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *,
 
 def _full(config: tuple[int, ...]) -> tuple[int, int, int, int]:
     """(features a block / 16, warps, chunks in flight, x mode): the last optional. x mode 0 loads x
-    just before the mma, 1 a round ahead, 2 runs the ordered pipeline (hops/decode_linear_mma_source.py:
-    Stage)."""
+    just before the mma, 1 a round ahead, 2 runs the ordered pipeline, 3 the same with x through shared
+    memory (hops/decode_linear_mma_pipelines.py)."""
     mt, warps, unroll, *rest = config
     mode = int(rest[0]) if rest else 0
     if mode not in (0, 1, 2, 3):  # the source knows no other: it would compile as mode 1 without a word

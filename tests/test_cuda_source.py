@@ -78,7 +78,7 @@ def test_every_variant_compiles_and_the_default_ones_do_not_spill():
 @pytest.mark.parametrize("xpf", [2, 3])
 @pytest.mark.parametrize("nt,warps,unroll", [(4, 4, 1), (4, 8, 1), (4, 16, 1), (2, 8, 2), (1, 16, 1)])
 def test_the_ordered_pipeline_compiles_with_every_prologue(nt, warps, unroll, xpf):
-    """x modes 2 and 3 (hops/decode_linear_mma_source.py: Stage; x in registers, or through shared
+    """x modes 2 and 3 (hops/decode_linear_mma_pipelines.py: Stage; x in registers, or through shared
     memory) for the tile shapes the defaults use; mode 3 without a spill."""
     lib = _nvrtc()
     for norm, gated, gate_epilogue in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 0, 1)):
