@@ -44,6 +44,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="qkv,o,gate_up,down", help="which projections the chain holds")
     ap.add_argument("--paths", default="row,mma", help="which of the op's kernels to time beside cuBLAS")
     ap.add_argument("--mlp", action="store_true", help="a chain of gated MLPs, each reading the one before")
+    ap.add_argument("--gate-pads", default="", help="with --mlp: gated variants whose up rows start this many rows "
+                    "after the gate's (DRAM placement of the two halves),...")
     ap.add_argument("--x-broadcast", action="store_true",
                     help="diagnostic: every row of x reads the same row (stride 0), so x's bytes come from L1; "
                          "against a normal run, what reading x costs the kernel")
@@ -122,6 +124,11 @@ def mlp_chain(args) -> int:
         "mma pdl gate": lambda h, wgu, wd: decode_linear_mma(
             decode_linear_mma(h, wgu, None, True, gate=gate), wd, None, True, residual=h),
     }
+    for pad in (int(p) for p in args.gate_pads.split(",") if p):  # up's rows `pad` rows further on
+        padded = {id(wgu): torch.cat([wgu[:n_gu // 2], wgu.new_zeros(pad, k), wgu[n_gu // 2:]]) for wgu, _ in layers}
+        variants[f"mma pdl gate, up {pad} rows on"] = lambda h, wgu, wd, padded=padded, pad=pad: decode_linear_mma(
+            decode_linear_mma(h, padded[id(wgu)], None, True, gate=[0, n_gu // 2 + pad, n_gu // 2]), wd, None, True,
+            residual=h)
     for c in (c for c in args.mma_configs.split(",") if c):  # configs for the gated gate/up kernel
         cfg = tuple(int(v) for v in c.split("x"))
         variants[f"mma pdl gate, gate/up {c}"] = lambda h, wgu, wd, cfg=cfg: decode_linear_mma(
