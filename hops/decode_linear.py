@@ -62,16 +62,16 @@ MAX_ROWS = 32
 NORM_PROLOGUE_MAX_ROWS = 1
 GATE_PROLOGUE_MAX_ROWS = 1
 # At which row counts the rewrite puts a gated MLP's silu(gate) * up into its gate/up projection's
-# epilogue (the CUDA path: 2..MAX_ROWS rows). Alone, a chain of 16 gated MLPs ran 0.781x cuBLAS with it
-# against 0.902x with an eager gate between the projections (8 rows,
-# bench/results/decode_linear_mlp_h100_torch2.11.log), but in HF Llama batch 8 the step was slower with
-# it: 1.075 against 1.042 ms (the gate/up kernel 21.3 us against 18.6: the down projection's blocks
-# launch early behind it and load their weights while it streams its own;
-# bench/results/inference_floor_early_launch_h100_torch2.11.log), and at batch 32 too (1.449 against
-# 1.417 ms; decode.py 1.409 against 1.351). At batch 16 it paid in both models: HF Llama 1.155 against
-# 1.183 ms, decode.py 1.041 against 1.069 (bench/results/inference_floor_gate_rows32_h100_torch2.11.log,
-# decode_h100_torch2.11_gate_rows32.log): on for 9-16 rows (two n-tiles of the mma).
-GATE_EPILOGUE_ROWS = range(9, 17)
+# epilogue (the CUDA path: 2..MAX_ROWS rows). On at 9-32 rows (H100, one call, against the gate left to
+# Inductor): HF Llama batch 32 1.322 against 1.386 ms, batch 24 1.206 against 1.293; decode.py batch 32
+# 0.90x the hand-captured graph against 0.93x, batch 24 0.87x against 0.93x
+# (bench/results/gate_epilogue_registers_h100_torch2.11.log); batch 16 1.155 against 1.179 ms, batch 12
+# 1.062 against 1.083 (inference_floor_gate_rows9to16_h100_torch2.11.log). Until its kernel held 80
+# registers at 4 warps (it held 110: 4 blocks an SM, so gate/up's 704 blocks took two waves) it lost at
+# 17-32 rows. At 2-8 rows it lost too, with 8 warps: HF Llama batch 8 1.075 against 1.042 ms (the gate/up
+# kernel 21.3 us against 18.6; bench/results/inference_floor_early_launch_h100_torch2.11.log), not
+# measured since.
+GATE_EPILOGUE_ROWS = range(9, 33)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -75,6 +75,9 @@ __device__ __forceinline__ u16 from_float(float f) {
   asm("cvt.rn.DTYPE.f32 %0, %1;" : "=h"(v) : "f"(f));
   return v;
 }
+// silu in float, rounded to 16 bits after: a fast division (an IEEE one calls a slow-path subroutine, and
+// the call alone took the gate epilogue's kernel from 80 registers to 110: 4 blocks an SM instead of 6).
+__device__ __forceinline__ float silu(float h) { return __fdividef(h, 1.f + __expf(-h)); }
 // x's prologue on a pair of 16-bit values, rounding where eager rounds (hops/decode_linear.py:
 // prologue_reference): RMSNorm (times inv_rms, round, times the norm weight, round), then silu(x) * up.
 __device__ __forceinline__ u16 prologue(u16 v, u16 g, u16 up, float inv_rms) {
@@ -84,7 +87,7 @@ __device__ __forceinline__ u16 prologue(u16 v, u16 g, u16 up, float inv_rms) {
 #endif
 #if GATED
   const float h = to_float(v);
-  v = from_float(h / (1.f + __expf(-h)));
+  v = from_float(silu(h));
   v = from_float(to_float(v) * to_float(up));
 #endif
   return v;
@@ -178,7 +181,15 @@ __device__ __forceinline__ void multiply_chunk(float (&acc)[NT][MT][4], const u3
 
 # The kernel itself, after the pipelines (hops/decode_linear_mma_pipelines.py) it runs.
 KERNEL = r"""
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+// The gate epilogue at 4 warps (gate/up at 17-32 rows) held 82-84 registers, a block an SM fewer than the
+// plain kernel's 6 (its 704 blocks then take two waves): ask ptxas for 6 (80 registers, no spill).
+// (A second argument of 1 elsewhere is not neutral: ptxas then takes up to 128 registers.)
+#if GATE_EPILOGUE && WARPS == 4
+#define LAUNCH_BOUNDS __launch_bounds__(WARPS * 32, 6)
+#else
+#define LAUNCH_BOUNDS __launch_bounds__(WARPS * 32)
+#endif
+extern "C" __global__ void LAUNCH_BOUNDS
 decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u16* __restrict__ bias,
                   const u16* __restrict__ residual, u16* __restrict__ y, const u16* __restrict__ norm_weight,
                   const u16* __restrict__ up, float eps, int M, int N, int K, int x_stride, int up_stride, int pdl,
@@ -319,20 +330,28 @@ decode_linear_mma(const u16* __restrict__ x, const u16* __restrict__ w, const u1
 #pragma unroll
       for (int i = 0; i < 4; ++i) partial[warp][(j * MT + m) * 4 + i][lane] = acc[j][m][i];
   __syncthreads();
-  for (int v = threadIdx.x; v < NT * MT * 4 * 32; v += WARPS * 32) {
-    const int slot = v / 32, l = v % 32;
-    const int j = slot / (MT * 4), m = (slot / 4) % MT, i = slot % 4;
-    const int row = 8 * j + 2 * (l & 3) + (i & 1);
 #if GATE_EPILOGUE
+  // A feature's gate half is in slot (j * MT + m) * 4 + i for i = 0, 1, its up half two slots on: the
+  // threads walk the gate halves only (a walk over every slot that skipped the up halves held 110
+  // registers a thread at 4 warps, 30 more than the kernel without the gate: 4 blocks an SM, not 6).
+  for (int v = threadIdx.x; v < NT * MT * 2 * 32; v += WARPS * 32) {
+    const int half = v / 32, l = v % 32;
+    const int j = half / (MT * 2), m = (half / 2) % MT, i = half % 2;
+    const int slot = (j * MT + m) * 4 + i;
+    const int row = 8 * j + 2 * (l & 3) + i;
     const int feature = f0 + 8 * m + (l >> 2);
-    if (row >= M || feature >= N || (i & 2)) continue;  // slot + 2 holds the up half of this slot's feature
+    if (row >= M || feature >= N) continue;
     float gate = 0.f, up_sum = 0.f;
     for (int k = 0; k < WARPS; ++k) gate += partial[k][slot][l], up_sum += partial[k][slot + 2][l];
     if (bias) gate += to_float(bias[gate_start + feature]), up_sum += to_float(bias[up_start + feature]);
     // Rounded where eager rounds: each projection's output, silu's, the product.
     const float h = to_float(from_float(gate));
-    u16 out = from_float(to_float(from_float(h / (1.f + __expf(-h)))) * to_float(from_float(up_sum)));
+    u16 out = from_float(to_float(from_float(silu(h))) * to_float(from_float(up_sum)));
 #else
+  for (int v = threadIdx.x; v < NT * MT * 4 * 32; v += WARPS * 32) {
+    const int slot = v / 32, l = v % 32;
+    const int j = slot / (MT * 4), m = (slot / 4) % MT, i = slot % 4;
+    const int row = 8 * j + 2 * (l & 3) + (i & 1);
     const int feature = f0 + 16 * m + (l >> 2) + 8 * (i >> 1);
     if (row >= M || feature >= N) continue;
     float sum = 0.f;

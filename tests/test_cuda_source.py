@@ -39,15 +39,15 @@ def _compile(lib, defines: dict, dtype: str, arch: str = "sm_90") -> tuple[int, 
     return status, log.value.decode(errors="replace")
 
 
-def _default_configs() -> set[tuple[int, tuple[int, ...]]]:
-    """(n-tiles, config) of every launch the op's defaults make on a 132-SM GPU (H100, H200)."""
+def _default_configs(rows_of=range(2, MMA_MAX_ROWS + 1), features=(2048, 6144, 11264, 32000)) -> set[tuple[int, tuple[int, ...]]]:
+    """(n-tiles, config) of every launch the op's defaults make on a 132-SM GPU (H100, H200), for these row
+    counts and projection widths."""
     props = type("Props", (), {"multi_processor_count": 132, "shared_memory_per_block_optin": 232448})()
     original = torch.cuda.get_device_properties
     torch.cuda.get_device_properties = lambda index: props
     try:
         default_config.cache_clear()
-        return {((rows + 7) // 8, default_config(n, 0, rows)) for rows in range(2, MMA_MAX_ROWS + 1)
-                for n in (2048, 6144, 11264, 32000)}
+        return {((rows + 7) // 8, default_config(n, 0, rows)) for rows in rows_of for n in features}
     finally:
         torch.cuda.get_device_properties = original
         default_config.cache_clear()
@@ -123,3 +123,26 @@ def test_x_through_shared_memory_only_where_a_block_may_have_it(monkeypatch, opt
         assert default_config(2048, 0, 16) == (1, 16, 1, 2)  # no shared memory for x up to 16 rows
     finally:
         default_config.cache_clear()
+
+
+def test_the_gate_epilogue_costs_no_blocks_an_sm():
+    """A gate/up projection with the gate epilogue launches as many blocks as without it; where its kernel
+    held more registers than the plain one (110 against 80 at 4 warps), an SM held 4 blocks instead of
+    6, gate/up's 704 blocks at 32 rows took two waves, and the fused gate lost to Inductor's kernel. For
+    each variant the defaults launch at GATE_EPILOGUE_ROWS: the gated kernel's registers, rounded to the
+    allocation unit of 8, are no more than the plain kernel's."""
+    from torch_ext.hops.decode_linear import GATE_EPILOGUE_ROWS
+
+    lib = _nvrtc()
+    gated_rows = {rows for rows in GATE_EPILOGUE_ROWS if rows > 1}
+    launched = {c for c in _default_configs(rows_of=gated_rows, features=(11264,))}
+    assert launched
+    for nt, (mt, warps, unroll, xpf) in sorted(launched):
+        used = {}
+        for gate_epilogue in (0, 1):
+            defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=0, GATED=0, GATE_EPILOGUE=gate_epilogue, XPF=xpf,
+                           XS=X_SLOTS)
+            status, log = _compile(lib, defines, "bf16")
+            assert status == 0, (defines, log[-600:])
+            used[gate_epilogue] = -(-int(re.search(r"Used (\d+) registers", log).group(1)) // 8) * 8
+        assert used[1] <= used[0], (nt, (mt, warps, unroll, xpf), used)
