@@ -314,14 +314,18 @@ def test_above_the_prologue_rows_the_gate_runs_in_the_gate_up_projections_epilog
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rows", [2, 8, 9, 16, 17, 32])
-def test_by_default_the_gate_epilogue_serves_9_to_16_rows(monkeypatch, rows):
-    """Where it measured faster in HF Llama and bench/decode.py (batch 16; slower at 8 and 32)."""
+@pytest.mark.parametrize("rows", [2, 8, 9, 16, 17, 32, 33])
+def test_by_default_the_gate_epilogue_serves_9_to_32_rows(monkeypatch, rows):
+    """Where it measured faster in HF Llama and bench/decode.py (batches 12-32; slower at 8; past 32 rows
+    the op runs F.linear)."""
     monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
     gm, fused, out, expected = _rewritten(GatedMLP("chunk").to(torch.bfloat16).eval(),
                                           torch.randn(rows, 1, DIM, dtype=torch.bfloat16))
     gates = [_gate_of(c) for c in _calls(gm)]
-    assert (gates[0] is not None) == (9 <= rows <= 16) and gates[1] is None
+    if rows > 32:
+        assert not gates  # past MAX_ROWS the projections stay F.linear, the gate Inductor's
+    else:
+        assert (gates[0] is not None) == (9 <= rows <= 32) and gates[1] is None
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
