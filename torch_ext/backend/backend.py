@@ -10,6 +10,7 @@ import logging
 import operator
 import os
 import time
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -26,6 +27,7 @@ from torch_ext.backend.runtime.checkpoint import CheckpointedRegion
 from torch_ext.backend.runtime.cudagraph.buffer_stores import expect_transformed_code
 from torch_ext.backend.runtime.cudagraph.manager import CudaGraphManager
 from torch_ext.backend.config import CompileConfig
+from torch_ext.backend.joint import JointCompiler, why_not_joint
 from torch_ext.backend.counters import counters
 from torch_ext.backend.compile.environment import environment_factors
 from torch_ext.backend.runtime.merged_params import MergedParams
@@ -54,7 +56,10 @@ class TorchExtBackend:
             install()
         self.config = config if config is not None else CompileConfig()
         self.matcher = SplittingOpMatcher(self.config.splitting_ops)
-        self.builder = VariantBuilder(InductorCompiler(self.config))
+        compiler = InductorCompiler(self.config)
+        self.builder = VariantBuilder(compiler)
+        self.joint = JointCompiler(self.config, self.matcher, compiler.patches)
+        self._said_per_piece: set[str] = set()
         self.cudagraphs = CudaGraphManager(self.config) if self.config.cudagraph_mode != "none" else None
         self._graphs = 0
         self.unused_config = UnusedConfigReporter(self.config, self.matcher)
@@ -93,6 +98,15 @@ class TorchExtBackend:
         dumper = dump.DebugDumper(self.config.debug_dump_dir, index) if self.config.debug_dump_dir else None
         if dumper:
             dumper.graph("dynamo_graph.py", gm, "the graph Dynamo handed to the torch_ext backend")
+
+        if torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in example_inputs):
+            why_not = why_not_joint(gm, self.matcher, self.config)
+            if why_not is None:
+                return self._compile_joint(gm, example_inputs, index, dumper, start)
+            if why_not not in self._said_per_piece:
+                self._said_per_piece.add(why_not)
+                log.warning("torch_ext: training graph %d runs the split-per-piece path (each piece "
+                            "differentiated on its own, slower than Inductor's step): %s", index, why_not)
 
         if not rewritten:
             gm, plan = self.rewrite(gm)
@@ -134,6 +148,16 @@ class TorchExtBackend:
         merged = MergedParams(compiled, plan, f"graph {index}")
         merged.bind(example_inputs)  # the parameters become views of the buffers now
         return merged
+
+    def _compile_joint(self, gm: fx.GraphModule, example_inputs, index: int, dumper, start: float):
+        """A training graph, differentiated once and split after AOTAutograd (joint.py)."""
+        self.last_store_key = None  # Inductor's own caches serve its pieces
+        compiled = JointGraph(self.joint.compile(gm, example_inputs, f"graph {index}", dumper))
+        self.unused_config.training_graph(gm, index, compiled)
+        counters.backend_seconds += time.perf_counter() - start
+        log.info("torch_ext: training graph %d differentiated once and split in %.2f s", index,
+                 time.perf_counter() - start)
+        return compiled
 
     def rewrite(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, MergePlan | None]:
         """The Dynamo graph the stages after it see (rewrite/): in inference graphs (grad off), a copy
@@ -234,6 +258,18 @@ class TorchExtBackend:
         counters.unique_pieces += len(group.pieces)
         counters.splitting_op_calls += group.splitting_ops
         counters.checkpoint_regions += group.checkpoint_regions
+
+
+class JointGraph(torch.nn.Module):
+    """What Dynamo calls for a training graph differentiated once (an nn.Module: the config reporter
+    hooks its second call)."""
+
+    def __init__(self, compiled: Callable):
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, *args):
+        return self.compiled(*args)
 
 
 def _symbols_read(gm: fx.GraphModule) -> set[str]:

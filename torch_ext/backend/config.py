@@ -187,6 +187,10 @@ class CompileConfig:
     # Splitting ops inside HOP bodies: "inline" the HOP into its caller before the split (default,
     # measured faster at run time, see split/splitter.py), or split "in_body" and share the split body.
     hop_split: str = "inline"
+    # Training graphs (compiled while autograd records): AOTAutograd differentiates the whole graph once and
+    # its forward and backward graphs are split and run as straight-line code (backend/joint.py: Inductor's
+    # step time and memory). False: each piece is differentiated on its own (the split-per-piece path).
+    differentiate_once: bool = True
     # Inductor CustomGraphPass-style passes run post-grad through torch_ext.backend.passes.PassManager.
     post_grad_passes: tuple[Any, ...] = dataclasses.field(default=(), hash=False)
     # Run passes.UnfuseOutputAddmm before them: a residual sum that the split made a piece output
@@ -283,7 +287,7 @@ class CompileConfig:
         set_("debug_dump_dir", os.path.abspath(os.path.expanduser(dump)) if dump else None)
 
         for flag in ("dedup", "cudagraph_check_addresses", "guard_free_dispatch", "unfuse_output_addmm",
-                     "merge_projections", "decode_linear_fusion"):
+                     "merge_projections", "decode_linear_fusion", "differentiate_once"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(flag, f"expected True or False, got {getattr(self, flag)!r}", f"Write {flag}=True")
         for flag in ("decode_attention", "decode_linear"):
@@ -357,6 +361,7 @@ class CompileConfig:
             "inductor_options": {str(k): inductor_option_key(v) or repr(v)
                                  for k, v in sorted(self.inductor_options.items())},
             "hop_split": self.hop_split,
+            "differentiate_once": self.differentiate_once,
             "merge_projections": self.merge_projections,
             "decode_attention": self.uses("decode_attention"),
             "decode_linear": self.uses("decode_linear"),

@@ -11,6 +11,8 @@ class BackendCounters:
     pieces: int = 0  # compiled (non-splitting) pieces, over all graphs
     unique_pieces: int = 0  # distinct piece graphs among them
     splitting_op_calls: int = 0  # splitting-op nodes left to run eagerly between pieces
+    # Training graphs AOTAutograd differentiated whole, then split (backend/joint.py).
+    joint_graphs: int = 0
     inlined_hops: int = 0  # HOP calls inlined because their body holds a splitting op
     # Activation-checkpoint regions holding a splitting op, kept as regions in training (recomputed in
     # backward: split/checkpoint.py).

@@ -39,6 +39,16 @@ class UnusedConfigReporter:
         self._unreachable_sizes(gm, index)
         self._sizes_not_specializable(gm, group, index)
 
+    def training_graph(self, gm: fx.GraphModule, index: int, runs: torch.nn.Module) -> None:
+        """Check a training graph differentiated once (joint.py): it is compiled for every size at once."""
+        self._splitting_ops(gm, index, runs)
+        self._unreachable_sizes(gm, index)
+        sized = [f for f in ("compile_sizes", "compile_ranges_split_points") if getattr(self.config, f)]
+        if sized and "training/sizes" not in self._said:
+            self._said.add("training/sizes")
+            log.warning("torch_ext: %s apply to inference graphs; training graph %d is compiled once for every "
+                        "size, as Inductor compiles it (CompileConfig.differentiate_once).", " and ".join(sized), index)
+
     def _splitting_ops(self, gm: fx.GraphModule, index: int, runs: torch.nn.Module) -> None:
         unmatched = unmatched_splitting_ops(gm, self.matcher)
         self._matched.update(name for name in self.matcher.names if name not in unmatched)

@@ -123,6 +123,16 @@ class InductorCompiler:
             self._pass_managers[size] = pass_manager_cls(passes, compile_size=size, then=user_pass)
         return self._pass_managers[size]
 
+    def patches(self, gm: fx.GraphModule, variant: Variant = GENERAL) -> dict:
+        """The Inductor options gm compiles with: ours, the user's, the workarounds, the post-grad passes."""
+        # Workarounds for torch bugs win over the user's options: correct results first.
+        patches = {**decode_piece_patches(gm, self.config.inductor_options), **self.config.inductor_options,
+                   **workarounds.inductor_patches(gm)}
+        post_pass = keyed_post_pass(patches, self.pass_manager(variant))  # the user's own pass inside it
+        if post_pass is not None:
+            patches["post_grad_custom_post_pass"] = post_pass
+        return patches
+
     def key_factors(self, variant: Variant) -> str:
         """What, besides the piece graph and the config, decides the compiled code of this variant."""
         pm = self.pass_manager(variant)
@@ -150,12 +160,7 @@ class InductorCompiler:
     def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], variant: Variant, *, name: str = ""):
         """Compile gm for the variant; returns Inductor's CompiledArtifact (callable with *args)."""
         gm = self.piece_graph(gm, example_inputs, variant)
-        # Workarounds for torch bugs win over the user's options: correct results first.
-        patches = {**decode_piece_patches(gm, self.config.inductor_options), **self.config.inductor_options,
-                   **workarounds.inductor_patches(gm)}
-        post_pass = keyed_post_pass(patches, self.pass_manager(variant))  # the user's own pass inside it
-        if post_pass is not None:
-            patches["post_grad_custom_post_pass"] = post_pass
+        patches = self.patches(gm, variant)
         options = {"config_patches": patches}
         start = time.perf_counter()
         token = _current_variant.set(variant)

@@ -18,6 +18,21 @@ from torch_ext.backend.config import resolve_op
 
 # Where Dynamo records a call of an aten op by the torch function that dispatches to it
 # (`F.scaled_dot_product_attention` is `torch._C._nn.scaled_dot_product_attention` in the graph).
+# Composite aten ops AOTAutograd decomposes before Inductor sees them (training graphs are split
+# after AOTAutograd: backend/joint.py): the op each becomes, forward and backward, per backend.
+ATEN_FORMS = {
+    "aten::scaled_dot_product_attention": (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+        "_scaled_dot_product_fused_attention_overrideable",
+        "_scaled_dot_product_fused_attention_overrideable_backward",
+        "_flash_attention_forward", "_flash_attention_backward",
+        "_efficient_attention_forward", "_efficient_attention_backward",
+    ),
+}
+
 _TORCH_FUNCTION_NAMESPACES = ("torch", "torch._C._nn", "torch._C._VariableFunctions", "torch.nn.functional",
                               "torch._C._linalg", "torch._C._special", "torch._C._fft")
 
@@ -56,7 +71,8 @@ def op_display_name(node: fx.Node) -> str | None:
 
 class SplittingOpMatcher:
     """Tells whether an FX node calls one of the configured splitting ops (any overload, or, for an
-    aten op, the torch function or Tensor method of the same name that Dynamo records)."""
+    aten op, the torch function or Tensor method of the same name that Dynamo records, or the ATen
+    ops AOTAutograd decomposes it into: ATEN_FORMS)."""
 
     def __init__(self, names: tuple[str, ...]):
         self.names = names
@@ -70,6 +86,11 @@ class SplittingOpMatcher:
                     self._by_target.setdefault(function, name)
                 if op._qualified_op_name.startswith("aten::") and hasattr(torch.Tensor, op.__name__):
                     self._by_method.setdefault(op.__name__, name)
+            # The forms a composite aten op takes after AOTAutograd (training graphs: backend/joint.py).
+            packet = op.overloadpacket if isinstance(op, torch._ops.OpOverload) else op
+            for form in ATEN_FORMS.get(getattr(packet, "_qualified_op_name", None), ()):
+                if hasattr(torch.ops.aten, form):
+                    self._by_target.setdefault(getattr(torch.ops.aten, form), name)
 
     def match(self, node: fx.Node) -> str | None:
         """The configured name `node` calls, or None."""

@@ -81,20 +81,20 @@ def contains_splitting_op(gm: fx.GraphModule, is_splitting: Callable[[fx.Node], 
     return False
 
 
-def _all_calls(gm: fx.GraphModule):
+def all_calls(gm: fx.GraphModule):
     """Every node of gm and of the HOP bodies it calls, recursively."""
     for node in gm.graph.nodes:
         yield node
         if hop_name(node):
             for body in hop_bodies(gm, node):
-                yield from _all_calls(body)
+                yield from all_calls(body)
 
 
 def unmatched_splitting_ops(gm: fx.GraphModule, matcher: SplittingOpMatcher) -> dict[str, list[str]]:
     """Configured splitting ops that no call in gm (HOP bodies included) matches -> the calls of gm
     with the nearest names, for the message that says so."""
     matched, called = set(), set()
-    for node in _all_calls(gm):
+    for node in all_calls(gm):
         matched.add(matcher.match(node))
         called.add(op_display_name(node))
     called.discard(None)

@@ -1,0 +1,135 @@
+"""Training graphs, differentiated once: AOTAutograd over the whole Dynamo graph, then its forward
+and backward graphs split at the splitting ops and run as straight-line code.
+
+The split-per-piece path (backend.py with runtime/piecewise.py) differentiates each piece on its
+own: every piece call goes through AOTAutograd's runtime wrappers and an autograd.Function, and a
+checkpoint region holding a splitting op runs under torch.utils.checkpoint's hooks. That cost
+Python at every step (HF Llama with gradient checkpointing, 4 layers on a CPU thread: 2.3x
+Inductor's step). Here, as in plain Inductor, AOTAutograd traces the graph once with the
+splitting ops as the opaque ops they are (custom ops; SDPA as the ATen attention op it becomes:
+matcher.ATEN_FORMS), Inductor's min-cut partitioner honours checkpoint tags (memory as Inductor's,
+selective policies included), and each graph it makes is split (split/splitter.py), its distinct
+pieces compiled by Inductor once (compile/aten_pieces.py) and called from generated code
+(runtime/straight_line.py): one autograd.Function per graph, not per piece.
+
+Used for graphs compiled while autograd records, unless a splitting op would not survive
+AOTAutograd as one call (a Python function Dynamo kept whole, a composite custom op) or
+CompileConfig.differentiate_once is off: those keep the split-per-piece path, said once.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from torch_ext import compat
+from torch_ext.backend import dump
+from torch_ext.backend.compile.aten_pieces import AtenPieceCompiler, value_strides
+from torch_ext.backend.config import CompileConfig, resolve_op
+from torch_ext.backend.counters import counters
+from torch_ext.backend.runtime.straight_line import straight_line
+from torch_ext.backend.split.matcher import ATEN_FORMS, SplittingOpMatcher
+from torch_ext.backend.split.splitter import all_calls, is_trivial, split_graph
+
+log = logging.getLogger("torch_ext.backend")
+
+
+def _decomposes(op: Any) -> bool:
+    """Whether AOTAutograd traces through `op` (a CompositeImplicitAutograd kernel) instead of keeping it."""
+    overloads = [op] if isinstance(op, torch._ops.OpOverload) else \
+        [getattr(op, name) for name in op.overloads()] if isinstance(op, torch._ops.OpOverloadPacket) else []
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(o.name(), "CompositeImplicitAutograd")
+               for o in overloads)
+
+
+def why_not_joint(gm: fx.GraphModule, matcher: SplittingOpMatcher, config: CompileConfig) -> str | None:
+    """Why a training graph keeps the split-per-piece path, or None where it is differentiated once."""
+    if not config.differentiate_once:
+        return "CompileConfig.differentiate_once is False"
+    for node in all_calls(gm):
+        name = matcher.match(node)
+        if name is None:
+            continue
+        op = resolve_op(name)
+        packet = op.overloadpacket if isinstance(op, torch._ops.OpOverload) else op
+        if getattr(packet, "_qualified_op_name", None) in ATEN_FORMS:
+            continue
+        if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            return f"splitting op {name} is a Python function, which AOTAutograd would trace through"
+        if _decomposes(op):
+            return f"splitting op {name} has a CompositeImplicitAutograd kernel, which AOTAutograd would trace through"
+    return None
+
+
+class JointCompiler:
+    """One per backend: compiles training graphs through AOTAutograd once, in pieces."""
+
+    def __init__(self, config: CompileConfig, matcher: SplittingOpMatcher, patches: Callable[[fx.GraphModule], dict]):
+        self.config = config
+        self.matcher = matcher
+        self.patches = patches  # the Inductor options a graph compiles with (compiler.InductorCompiler)
+        self.pieces = AtenPieceCompiler(dedup=config.dedup)
+        self._said: set[str] = set()
+
+    def compile(self, gm: fx.GraphModule, example_inputs, label: str, dumper=None) -> Callable:
+        wanted = sum(1 for node in all_calls(gm) if self.matcher.match(node))
+
+        def inner_compile(graph: fx.GraphModule, inputs, **kwargs):
+            is_backward = bool(kwargs.get("is_backward", False))
+            kind = "backward" if is_backward else "inference" if kwargs.get("is_inference") else "forward"
+            return self._compile_graph(graph, kind, f"{label} {kind}", wanted, dumper)
+
+        counters.joint_graphs += 1
+        return compat.compile_joint(gm, example_inputs, inner_compile, self.patches(gm))
+
+    def _compile_graph(self, graph: fx.GraphModule, kind: str, label: str, wanted: int, dumper) -> Callable:
+        split = split_graph(graph, self.matcher, "inline")
+        splitting = [p for p in split.pieces if p.kind == "splitting"]
+        if wanted and not splitting and kind != "backward":
+            self._say_once(f"AOTAutograd turned the splitting ops of {label} into ops torch_ext cannot "
+                           f"match ({', '.join(self.matcher.names)}); it runs unsplit")
+        is_backward, is_inference = kind == "backward", kind == "inference"
+        callables: dict[str, Callable] = {}
+        compiled = {}
+        for piece in split.pieces:
+            gm = piece.graph_module
+            if piece.kind == "compute" and not is_trivial(gm):
+                compiled[piece.name] = callables[piece.name] = self.pieces.compile(
+                    gm, is_backward=is_backward, is_inference=is_inference, label=f"{label} {piece.name}")
+                counters.pieces += 1
+            else:  # a splitting op, or sizes and tuple unpacking: plain Python
+                callables[piece.name] = gm.forward
+        counters.splitting_op_calls += len(splitting)
+        counters.unique_pieces = len(self.pieces._memo)
+        self._report_output_strides(split.split_gm, compiled)
+        if dumper:
+            dumper.graph(f"{kind}_split_graph.py", split.split_gm, f"the {kind} graph AOTAutograd made, split")
+        run = straight_line(split.split_gm.graph, callables, label)
+        dump.trace_artifact(f"torch_ext_{kind}_runner", lambda: run.source)
+        return run
+
+    @staticmethod
+    def _report_output_strides(split_gm: fx.GraphModule, compiled: dict) -> None:
+        """Tell AOTAutograd the strides of the forward graph's outputs (it restrides the saved
+        activations the backward graph is traced with): Inductor's choice where a piece made the
+        output, the traced strides where an eager op or an input did."""
+        strides = compat.enclosing_output_strides()
+        if strides is None:
+            return
+        for out in split_gm.graph.output_node().args[0]:
+            source, index = out, 0
+            if isinstance(out, fx.Node) and out.op == "call_function" and out.target is operator.getitem:
+                source, index = out.args
+            piece = compiled.get(source.target) if isinstance(source, fx.Node) and source.op == "call_module" else None
+            if piece is not None and piece.output_strides is not None:
+                strides.append(piece.output_strides[index])
+            else:
+                strides.append(value_strides(out.meta.get("val")) if isinstance(out, fx.Node) else None)
+
+    def _say_once(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            log.warning("torch_ext: %s", message)

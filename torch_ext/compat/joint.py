@@ -1,0 +1,40 @@
+"""Inductor's training compile with our own inner compile: AOTAutograd differentiates the whole Dynamo
+graph once (Inductor's decompositions, joint passes and min-cut partitioner, checkpoint tags
+honoured as plain Inductor honours them) and hands each graph it makes to `inner_compile`, which
+compiles it (backend/joint.py: in pieces). `compile_fx(model, inputs, inner_compile=...)`,
+`compile_fx_inner`, `TracingContext.report_output_strides`: 2.9.1-2.15 alike."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+def compile_joint(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inner_compile: Callable,
+                  config_patches: dict | None = None) -> Callable:
+    """Inductor's compile_fx of gm (as installed: torch_ext's workarounds wrap it) with `inner_compile`
+    for the forward, backward or inference graph AOTAutograd makes. AOTAutograd's own cache is off
+    for it: its key does not see inner_compile and would hand back plain Inductor's result."""
+    from torch._inductor import compile_fx as compile_fx_module
+
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx_module.compile_fx(gm, list(example_inputs), inner_compile=inner_compile,
+                                            config_patches=config_patches or None)
+
+
+def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, is_backward: bool,
+                       is_inference: bool) -> tuple[Callable[[list], Any], list | None]:
+    """Inductor's compile of one ATen graph inside an AOTAutograd compile (a piece of its forward or
+    backward graph): the boxed callable, and the strides Inductor chose for its outputs (None where
+    no tracing context asks). Inside its own stride report, so the enclosing graph's stays ours."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    with torch._guards.TracingContext.report_output_strides() as strides:
+        compiled = compile_fx_inner(gm, list(example_inputs), is_backward=is_backward, is_inference=is_inference)
+    return compiled, (list(strides) if strides is not None else None)
+
+
+def enclosing_output_strides() -> list | None:
+    """The list AOTAutograd reads the forward graph's output strides from (None where it reads none)."""
+    context = torch._guards.TracingContext.try_get()
+    return context.output_strides if context is not None else None
