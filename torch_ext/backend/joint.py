@@ -36,6 +36,8 @@ from torch_ext.backend.split.splitter import all_calls, is_trivial, split_graph
 
 log = logging.getLogger("torch_ext.backend")
 
+_RNG_STATE_HOPS = ("run_and_save_rng_state", "run_with_rng_state")
+
 
 def _decomposes(op: Any) -> bool:
     """Whether AOTAutograd traces through `op` (a CompositeImplicitAutograd kernel) instead of keeping it."""
@@ -83,10 +85,18 @@ class JointCompiler:
             return self._compile_graph(graph, kind, f"{label} {kind}", wanted, dumper)
 
         counters.joint_graphs += 1
-        return compat.compile_joint(gm, example_inputs, inner_compile, self.patches(gm))
+        return compat.compile_joint(gm, example_inputs, inner_compile, self.patches(gm), self.matcher.overloads())
+
+    def is_splitting(self, node: fx.Node) -> bool:
+        """A splitting op in an ATen graph: called directly, or by the HOP that runs an op with the RNG
+        state saved (forward) or restored (backward's recompute) in a checkpoint region on some torch."""
+        if self.matcher.match(node) is not None:
+            return True
+        return node.op == "call_function" and getattr(node.target, "__name__", None) in _RNG_STATE_HOPS and \
+            any(self.matcher.match_target(a) for a in node.args if isinstance(a, torch._ops.OpOverload))
 
     def _compile_graph(self, graph: fx.GraphModule, kind: str, label: str, wanted: int, dumper) -> Callable:
-        split = split_graph(graph, self.matcher, "inline")
+        split = split_graph(graph, self.is_splitting, "inline")
         splitting = [p for p in split.pieces if p.kind == "splitting"]
         if wanted and not splitting and kind != "backward":
             self._say_once(f"AOTAutograd turned the splitting ops of {label} into ops torch_ext cannot "

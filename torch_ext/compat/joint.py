@@ -11,15 +11,20 @@ import torch
 
 
 def compile_joint(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inner_compile: Callable,
-                  config_patches: dict | None = None) -> Callable:
+                  config_patches: dict | None = None, opaque: set | frozenset = frozenset()) -> Callable:
     """Inductor's compile_fx of gm (as installed: torch_ext's workarounds wrap it) with `inner_compile`
-    for the forward, backward or inference graph AOTAutograd makes. AOTAutograd's own cache is off
-    for it: its key does not see inner_compile and would hand back plain Inductor's result."""
+    for the forward, backward or inference graph AOTAutograd makes, and Inductor's decompositions
+    less those of the `opaque` overloads (splitting ops stay calls: 2.9.1 decomposes CPU flash
+    attention). AOTAutograd's own cache is off for it: its key does not see inner_compile and would
+    hand back plain Inductor's result."""
     from torch._inductor import compile_fx as compile_fx_module
+    from torch._inductor.decomposition import select_decomp_table
 
-    with torch._functorch.config.patch(enable_autograd_cache=False):
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(config_patches or {}):
+        table = {op: fn for op, fn in select_decomp_table().items() if op not in opaque}  # as patched
         return compile_fx_module.compile_fx(gm, list(example_inputs), inner_compile=inner_compile,
-                                            config_patches=config_patches or None)
+                                            config_patches=config_patches or None, decompositions=table)
 
 
 def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, is_backward: bool,

@@ -98,7 +98,10 @@ class SplittingOpMatcher:
             return self._by_method.get(node.target)
         if node.op != "call_function":
             return None
-        target = node.target
+        return self.match_target(node.target)
+
+    def match_target(self, target: Any) -> str | None:
+        """The configured name a call of `target` calls, or None."""
         try:
             name = self._by_target.get(target)
         except TypeError:  # an unhashable target
@@ -109,6 +112,16 @@ class SplittingOpMatcher:
             name = next((n for op, n in self._by_target.items()
                          if isinstance(op, torch._ops.OpOverload) and op.overloadpacket is target), None)
         return name
+
+    def overloads(self) -> set[torch._ops.OpOverload]:
+        """Every operator overload a node may call to match (for decomposition tables to leave alone)."""
+        out = set()
+        for target in self._by_target:
+            if isinstance(target, torch._ops.OpOverload):
+                out.add(target)
+            elif isinstance(target, torch._ops.OpOverloadPacket):
+                out.update(getattr(target, name) for name in target.overloads())
+        return out
 
     def __call__(self, node: fx.Node) -> bool:
         return self.match(node) is not None

@@ -264,8 +264,8 @@ def split_graph(gm: fx.GraphModule, is_splitting: Callable[[fx.Node], bool], hop
         if node.op in ("placeholder", "output"):
             continue
         source = node.args[0] if node.target is operator.getitem and node.args else None
-        if isinstance(source, fx.Node) and source in opaque_kind:
-            # Unpacking an opaque result stays with it: pieces never take tuples as inputs.
+        if isinstance(source, fx.Node) and (source in opaque_kind or _unpacks(source, partition_of, kinds)):
+            # Unpacking an opaque result stays with it, nested tuples too: pieces never take tuples as inputs.
             partition_of[node] = partition_of[source]
         elif node in opaque_kind:
             current += 1
@@ -302,6 +302,13 @@ def split_graph(gm: fx.GraphModule, is_splitting: Callable[[fx.Node], bool], hop
             piece.body = split_bodies[id(body)]
         pieces.append(piece)
     return SplitGraph(split_gm, pieces)
+
+
+def _unpacks(node: fx.Node, partition_of: dict, kinds: dict) -> bool:
+    """Whether node is a tuple unpacked from an opaque result (run_and_save_rng_state's (state, outputs))."""
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return node.target is operator.getitem and isinstance(value, (tuple, list)) and \
+        partition_of.get(node) in kinds
 
 
 def _carry_policy(body: SplitGraph, checkpoint: Checkpoint) -> None:
