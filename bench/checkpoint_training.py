@@ -12,9 +12,15 @@ Models (random weights, train mode):
              torch.library custom op with its own autograd formula (tests/checkpoint_models.py);
              split at that op
 Columns: eager; inductor = torch.compile(model, fullgraph=True); ext = torch_ext backend without a
-splitting op; ext-split = split at attention. Rows: MiB the forward keeps for backward
-(torch_ext.testing.activation_bytes), peak memory of a whole step above the weights (CUDA), median
-step time (forward + backward) from interleaved rounds. Ratios are to inductor.
+splitting op; ext-split = split at attention (the training graph differentiated once: backend/joint.py);
+ext-split-pieces = split at attention, each piece differentiated on its own (differentiate_once=False,
+the path before). Rows: MiB the forward keeps for backward (torch_ext.testing.activation_bytes), peak
+memory of a whole step above the weights (CUDA), median step time (forward + backward) from interleaved
+rounds, and on CUDA the host's ms per step (until the step's Python returns, no sync) beside the GPU's
+(events around the steps). --checkpoint off: the same models without activation checkpointing. Ratios
+are to inductor.
+
+    python bench/checkpoint_training.py --layers 4 --hidden 64 --batch 2 --seq 32   # CPU host cost
 """
 from __future__ import annotations
 
@@ -32,10 +38,10 @@ import torch  # noqa: E402
 
 from table import print_table  # noqa: E402
 
-COLUMNS = ("eager", "inductor", "ext", "ext-split")
+COLUMNS = ("eager", "inductor", "ext", "ext-split", "ext-split-pieces")
 
 
-def build(name: str, args):
+def build(name: str, args, checkpointing: bool = True):
     if name == "hf-llama":
         import transformers
 
@@ -45,13 +51,14 @@ def build(name: str, args):
             max_position_embeddings=max(args.seq, 64), attn_implementation="sdpa")
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(config)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
         return model, ids, "aten::scaled_dot_product_attention", \
             lambda m, ids: m(input_ids=ids, labels=ids, use_cache=False).loss
     import checkpoint_models as cm
 
-    model = cm.CheckpointedModel(layers=args.layers, d=args.hidden, attention=cm.CUSTOM)
+    model = cm.CheckpointedModel(layers=args.layers, d=args.hidden, attention=cm.CUSTOM, checkpointing=checkpointing)
     x = torch.randn(args.batch, args.seq, args.hidden, generator=torch.Generator().manual_seed(1))
     return model, x, cm.CUSTOM, lambda m, x: m(x)
 
@@ -63,9 +70,9 @@ def compiled(column: str, model, splitting_op: str):
         return model
     if column == "inductor":
         return torch.compile(model, fullgraph=True)
-    ops = (splitting_op,) if column == "ext-split" else ()
-    return torch.compile(model, backend=make_backend(CompileConfig(cache_dir=None, splitting_ops=ops)),
-                         fullgraph=True)
+    ops = (splitting_op,) if column.startswith("ext-split") else ()
+    config = CompileConfig(cache_dir=None, splitting_ops=ops, differentiate_once=column != "ext-split-pieces")
+    return torch.compile(model, backend=make_backend(config), fullgraph=True)
 
 
 def sync(device):
@@ -87,20 +94,24 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--checkpoint", default="on", choices=("on", "off", "both"))
+    p.add_argument("--columns", default=",".join(COLUMNS))
     args = p.parse_args()
     if args.smoke:
         args.layers, args.hidden, args.vocab, args.batch, args.seq, args.rounds, args.iters = 2, 64, 128, 2, 16, 1, 1
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device == "cuda" else torch.float32)
     from torch_ext.testing import activation_bytes
 
-    for name in args.models.split(","):
-        model, batch, op, loss_of = build(name, args)
+    columns = tuple(args.columns.split(","))
+    cases = [(n, c) for n in args.models.split(",") for c in {"on": (True,), "off": (False,), "both": (True, False)}[args.checkpoint]]
+    for name, checkpointing in cases:
+        model, batch, op, loss_of = build(name, args, checkpointing)
         model = model.to(args.device, dtype).train()
         if batch.is_floating_point():
             batch = batch.to(args.device, dtype)
         else:
             batch = batch.to(args.device)
-        runs = {c: compiled(c, model, op) for c in COLUMNS}
+        runs = {c: compiled(c, model, op) for c in columns}
 
         def step(column):
             model.zero_grad(set_to_none=True)
@@ -108,7 +119,7 @@ def main():
 
         saved, peak, errors = {}, {}, {}
         grads = {}
-        for column in COLUMNS:  # compile, then measure memory once per column
+        for column in columns:  # compile, then measure memory once per column
             step(column)
             step(column)
             sync(args.device)
@@ -126,34 +137,47 @@ def main():
                 step(column)
                 sync(args.device)
                 peak[column] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        for column in COLUMNS:
+        for column in (columns if "eager" in grads else ()):
             num = sum(((a - b).norm() ** 2).item() for a, b in zip(grads[column], grads["eager"]))
             den = sum((b.norm() ** 2).item() for b in grads["eager"])
             errors[column] = (num / max(den, 1e-30)) ** 0.5
-        times = {c: [] for c in COLUMNS}
+        times, host, gpu = ({c: [] for c in columns} for _ in range(3))
         for _ in range(args.rounds):  # interleaved: host speed drifts between rounds
-            for column in COLUMNS:
+            for column in columns:
                 sync(args.device)
-                start = time.perf_counter()
+                if args.device == "cuda":
+                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    begin.record()
+                start, host_s = time.perf_counter(), 0.0
                 for _ in range(args.iters):
+                    t = time.perf_counter()
                     step(column)
+                    host_s += time.perf_counter() - t
+                if args.device == "cuda":
+                    end.record()
                 sync(args.device)
                 times[column].append((time.perf_counter() - start) / args.iters * 1e3)
+                host[column].append(host_s / args.iters * 1e3)
+                if args.device == "cuda":
+                    gpu[column].append(begin.elapsed_time(end) / args.iters)
         step_ms = {c: statistics.median(v) for c, v in times.items()}
 
         def row(label, values, fmt="{:.2f}"):
-            base = values["inductor"]
+            base = values.get("inductor")
             return [label] + [f"{fmt.format(values[c])} ({values[c] / base:.2f}x)" if base else fmt.format(values[c])
-                              for c in COLUMNS]
+                              for c in columns]
 
-        print(f"\n{name}: {args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}, "
-              f"{dtype}, {args.device}, torch {torch.__version__}; grad rel. err vs eager: "
-              + ", ".join(f"{c} {errors[c]:.1e}" for c in COLUMNS))
+        print(f"\n{name}, checkpointing {'on' if checkpointing else 'off'}: {args.layers} layers, hidden "
+              f"{args.hidden}, batch {args.batch} x seq {args.seq}, {dtype}, {args.device}, torch {torch.__version__}; "
+              "grad rel. err vs eager: " + ", ".join(f"{c} {errors[c]:.1e}" for c in columns if "eager" in errors))
         rows = [row("saved for backward MiB", saved)]
         if peak:
             rows.append(row("peak step memory MiB", peak))
         rows.append(row("step ms (median)", step_ms))
-        print_table(["", *COLUMNS], rows)
+        if args.device == "cuda":
+            rows.append(row("host ms per step", {c: statistics.median(v) for c, v in host.items()}))
+            rows.append(row("GPU ms per step", {c: statistics.median(v) for c, v in gpu.items()}))
+        print_table(["", *columns], rows)
         sys.stdout.flush()
 
 

@@ -104,7 +104,8 @@ def check_matches_eager(
 @dataclasses.dataclass
 class CapturedGraphs:
     """What capture_graphs saw: Dynamo's graphs in the order captured and, with the torch_ext backend,
-    per graph its split graph and the split graph's pieces (name -> fx graph, in call order)."""
+    per graph its split graph and the split graph's pieces (name -> fx graph, in call order). A graph
+    compiled while autograd records is differentiated once: its split forward graph, in ATen ops."""
 
     outputs: Any
     graphs: list[torch.fx.GraphModule]
@@ -150,11 +151,14 @@ def capture_graphs(fn: Callable, *args: Any, backend_config: Any = None, piecewi
         if backend is None:
             captured.graphs.append(gm)
             return gm.forward
-        split_gm = backend(gm, example_inputs)  # may make Dynamo trace again: record what it keeps
+        compiled = backend(gm, example_inputs)  # may make Dynamo trace again: record what it keeps
+        # A training graph differentiated once (backend/joint.py): its split forward graph, in ATen ops.
+        splits = getattr(compiled, "splits", None)
+        split_gm = compiled if splits is None else splits.get("forward", splits.get("inference"))
         captured.graphs.append(gm)
         captured.split_graphs.append(split_gm)
         captured.pieces.append(_pieces(split_gm))
-        return split_gm
+        return compiled
 
     was_installed = torch_ext.is_installed()
     torch._dynamo.reset()  # compile afresh, even if `fn` was compiled before

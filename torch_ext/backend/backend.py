@@ -10,7 +10,6 @@ import logging
 import operator
 import os
 import time
-from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -102,7 +101,7 @@ class TorchExtBackend:
         if torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in example_inputs):
             why_not = why_not_joint(gm, self.matcher, self.config)
             if why_not is None:
-                return self._compile_joint(gm, example_inputs, index, dumper, start)
+                return self._compile_joint(gm, example_inputs, index, dumper, start, store_key)
             if why_not not in self._said_per_piece:
                 self._said_per_piece.add(why_not)
                 log.warning("torch_ext: training graph %d runs the split-per-piece path (each piece "
@@ -149,10 +148,12 @@ class TorchExtBackend:
         merged.bind(example_inputs)  # the parameters become views of the buffers now
         return merged
 
-    def _compile_joint(self, gm: fx.GraphModule, example_inputs, index: int, dumper, start: float):
+    def _compile_joint(self, gm: fx.GraphModule, example_inputs, index: int, dumper, start: float,
+                       store_key: str | None):
         """A training graph, differentiated once and split after AOTAutograd (joint.py)."""
-        self.last_store_key = None  # Inductor's own caches serve its pieces
-        compiled = JointGraph(self.joint.compile(gm, example_inputs, f"graph {index}", dumper))
+        store = self._store(gm, store_key)  # refuses an unsafe cache dir; Inductor's own cache serves the pieces
+        self.last_store_key = store.key if store is not None else None
+        compiled = self.joint.compile(gm, example_inputs, f"graph {index}", dumper)
         self.unused_config.training_graph(gm, index, compiled)
         counters.backend_seconds += time.perf_counter() - start
         log.info("torch_ext: training graph %d differentiated once and split in %.2f s", index,
@@ -258,18 +259,6 @@ class TorchExtBackend:
         counters.unique_pieces += len(group.pieces)
         counters.splitting_op_calls += group.splitting_ops
         counters.checkpoint_regions += group.checkpoint_regions
-
-
-class JointGraph(torch.nn.Module):
-    """What Dynamo calls for a training graph differentiated once (an nn.Module: the config reporter
-    hooks its second call)."""
-
-    def __init__(self, compiled: Callable):
-        super().__init__()
-        self.compiled = compiled
-
-    def forward(self, *args):
-        return self.compiled(*args)
 
 
 def _symbols_read(gm: fx.GraphModule) -> set[str]:

@@ -28,6 +28,7 @@ import torch.fx as fx
 from torch_ext import compat
 from torch_ext.backend import dump
 from torch_ext.backend.compile.aten_pieces import AtenPieceCompiler, value_strides
+from torch_ext.backend.compile.compiler import say_fallback_once
 from torch_ext.backend.config import CompileConfig, resolve_op
 from torch_ext.backend.counters import counters
 from torch_ext.backend.runtime.straight_line import straight_line
@@ -63,6 +64,8 @@ def why_not_joint(gm: fx.GraphModule, matcher: SplittingOpMatcher, config: Compi
             return f"splitting op {name} is a Python function, which AOTAutograd would trace through"
         if _decomposes(op):
             return f"splitting op {name} has a CompositeImplicitAutograd kernel, which AOTAutograd would trace through"
+        if not compat.has_autograd_formula(op):
+            return f"splitting op {name} has no autograd formula (register_autograd), which AOTAutograd needs"
     return None
 
 
@@ -76,16 +79,26 @@ class JointCompiler:
         self.pieces = AtenPieceCompiler(dedup=config.dedup)
         self._said: set[str] = set()
 
-    def compile(self, gm: fx.GraphModule, example_inputs, label: str, dumper=None) -> Callable:
+    def compile(self, gm: fx.GraphModule, example_inputs, label: str, dumper=None) -> "JointGraph":
         wanted = sum(1 for node in all_calls(gm) if self.matcher.match(node))
+        splits: dict[str, fx.GraphModule] = {}
 
         def inner_compile(graph: fx.GraphModule, inputs, **kwargs):
             is_backward = bool(kwargs.get("is_backward", False))
             kind = "backward" if is_backward else "inference" if kwargs.get("is_inference") else "forward"
-            return self._compile_graph(graph, kind, f"{label} {kind}", wanted, dumper)
+            return self._compile_graph(graph, kind, f"{label} {kind}", wanted, dumper, splits)
 
+        for node in gm.graph.find_nodes(op="placeholder"):
+            if not hasattr(node, "_dynamo_source"):  # a graph a warm start loaded: GraphPickler keeps meta only
+                node._dynamo_source = None  # AOTAutograd dedups inputs by source; None is "unknown"
+        try:
+            compiled = compat.compile_joint(gm, example_inputs, inner_compile, self.patches(gm),
+                                            self.matcher.overloads())
+        except compat.backend_fallback_exceptions() as e:  # Dynamo runs the frame eagerly, as under Inductor
+            say_fallback_once(label, e)
+            raise
         counters.joint_graphs += 1
-        return compat.compile_joint(gm, example_inputs, inner_compile, self.patches(gm), self.matcher.overloads())
+        return JointGraph(compiled, splits)
 
     def is_splitting(self, node: fx.Node) -> bool:
         """A splitting op in an ATen graph: called directly, or by the HOP that runs an op with the RNG
@@ -95,7 +108,8 @@ class JointCompiler:
         return node.op == "call_function" and getattr(node.target, "__name__", None) in _RNG_STATE_HOPS and \
             any(self.matcher.match_target(a) for a in node.args if isinstance(a, torch._ops.OpOverload))
 
-    def _compile_graph(self, graph: fx.GraphModule, kind: str, label: str, wanted: int, dumper) -> Callable:
+    def _compile_graph(self, graph: fx.GraphModule, kind: str, label: str, wanted: int, dumper,
+                       splits: dict) -> Callable:
         split = split_graph(graph, self.is_splitting, "inline")
         splitting = [p for p in split.pieces if p.kind == "splitting"]
         if wanted and not splitting and kind != "backward":
@@ -115,6 +129,7 @@ class JointCompiler:
         counters.splitting_op_calls += len(splitting)
         counters.unique_pieces = len(self.pieces._memo)
         self._report_output_strides(split.split_gm, compiled)
+        splits[kind] = split.split_gm
         if dumper:
             dumper.graph(f"{kind}_split_graph.py", split.split_gm, f"the {kind} graph AOTAutograd made, split")
         run = straight_line(split.split_gm.graph, callables, label)
@@ -143,3 +158,17 @@ class JointCompiler:
         if message not in self._said:
             self._said.add(message)
             log.warning("torch_ext: %s", message)
+
+
+class JointGraph(torch.nn.Module):
+    """What Dynamo calls for a training graph differentiated once. `splits`: the split forward (or
+    inference) and backward graphs by kind, whose pieces are plain submodules (for tests and dumps);
+    an nn.Module, so the config reporter can hook its second call."""
+
+    def __init__(self, compiled: Callable, splits: dict[str, fx.GraphModule]):
+        super().__init__()
+        self.compiled = compiled
+        self.splits = splits
+
+    def forward(self, *args):
+        return self.compiled(*args)

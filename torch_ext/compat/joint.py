@@ -43,3 +43,19 @@ def enclosing_output_strides() -> list | None:
     """The list AOTAutograd reads the forward graph's output strides from (None where it reads none)."""
     context = torch._guards.TracingContext.try_get()
     return context.output_strides if context is not None else None
+
+
+def has_autograd_formula(op: Any) -> bool:
+    """Whether AOTAutograd can differentiate a call of `op` (an OpOverload or packet): a custom op of
+    torch.library.custom_op with register_autograd, or any op with an Autograd kernel of its own. A
+    custom op without a formula fails only once backward reaches it in eager; AOTAutograd fails at
+    compile time. `torch._library.custom_ops.OPDEFS`, 2.9-2.15."""
+    from torch._library.custom_ops import OPDEFS
+
+    packet = op.overloadpacket if isinstance(op, torch._ops.OpOverload) else op
+    qualname = packet._qualified_op_name
+    if qualname in OPDEFS:
+        return OPDEFS[qualname]._backward_fn is not None
+    names = [getattr(packet, name).name() for name in packet.overloads()]
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for name in names
+               for key in ("Autograd", "AutogradCPU", "AutogradCUDA", "CompositeImplicitAutograd"))

@@ -62,7 +62,7 @@ class PieceCompileError(RuntimeError):
 _said_fallback: set[str] = set()
 
 
-def _say_fallback_once(name: str, e: Exception) -> None:
+def say_fallback_once(name: str, e: Exception) -> None:
     """Torch's own backends fall back without a word; a torch_ext user hears why their graph runs eagerly."""
     what = f"{type(e).__name__}: {e}"
     if what not in _said_fallback:
@@ -175,7 +175,7 @@ class InductorCompiler:
             if variant.kind == "general" and isinstance(e, compat.backend_fallback_exceptions()):
                 # As under torch.compile's own backends: Dynamo runs this frame eagerly (a graph break). Size
                 # and range variants compile after Dynamo's call of the backend, where nobody falls back.
-                _say_fallback_once(name, e)
+                say_fallback_once(name, e)
                 raise
             raise PieceCompileError(
                 f"Inductor failed to compile piece {name} ({variant.label}): {type(e).__name__}: {e}") from e
