@@ -8,7 +8,7 @@ Shapes are batch x heads x kv heads x cache length, head dim 128, bf16, a bool m
 Microseconds per call (CUDA events over replays of a CUDA graph of 48 calls, cycling through copies of
 the cache that together pass any L2), and x floor: the cache bytes (k and v, read once) /
 device-to-device copy bandwidth. --sweep times every (target programs, tile, warps, stages) of each
-shape's kernel against the op's default (hops/decode_attention.py's _TARGET_PROGRAMS and _CONFIG).
+shape's kernel against the op's default (kernels/decode_attention.py's _TARGET_PROGRAMS and _CONFIG).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def main() -> int:
         return 0
     from decode import copy_bandwidth
     from table import print_table
-    from torch_ext.hops.decode_attention import decode_attention_triton
+    from torch_ext.kernels.decode_attention import decode_attention_triton
 
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, head dim 128; copy bandwidth "
@@ -101,7 +101,7 @@ def sweep(shape, floor, q, caches, mask, op) -> None:
     """Every (tile, warps, stages) of the kernel this shape runs, against the op's default."""
     import itertools
 
-    from torch_ext.hops import decode_attention as module
+    from torch_ext.kernels import decode_attention as module
 
     kind = module.config_kind(q.shape[0], q.shape[1], caches[0][0].shape[1])
     default = module._CONFIG[kind]

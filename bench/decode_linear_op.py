@@ -6,7 +6,7 @@
 A chain of qkv 6144x2048 -> o 2048x2048 -> gate_up 11264x2048 -> down 2048x5632, bf16, `rows` rows
 (each reading a fixed input: a kernel waits for the one before it all the same), in one CUDA graph: cuBLAS (torch.mm),
 and the op's kernels ("row": the Triton GEMV, one row only; "mma": the CUDA path for a few rows,
-hops/decode_linear_mma.py),
+kernels/decode_linear_mma.py),
 with and without programmatic dependent launch. ms per chain (median of interleaved rounds), x floor
 (weight bytes / copy bandwidth), x cuBLAS, and the relative error of one projection against float64.
 --mlp: a chain of gated MLPs instead, each reading the one before (h = h + down(silu(gate) * up) of
@@ -28,8 +28,8 @@ from decode import copy_bandwidth  # noqa: E402
 from graphs import capture, interleaved, ratio_cells  # noqa: E402
 from table import print_table  # noqa: E402
 
-from torch_ext.hops.decode_linear import decode_linear_triton  # noqa: E402
-from torch_ext.hops.decode_linear_mma import decode_linear_mma, variant_attributes  # noqa: E402
+from torch_ext.kernels.decode_linear import decode_linear_triton  # noqa: E402
+from torch_ext.kernels.decode_linear_mma import decode_linear_mma, variant_attributes  # noqa: E402
 
 SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
           "lm_head": (32000, 2048)}  # (out, in); the default chain leaves lm_head out

@@ -215,7 +215,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--gemv", action="store_true", help="also each projection's kernel cold and L2-warm")
     args = ap.parse_args()
-    import torch_ext.hops.decode_attention  # noqa: F401  (registers the op)
+    import torch_ext.kernels.decode_attention  # noqa: F401  (registers the op)
     bandwidth = copy_bandwidth.value = copy_bandwidth()
     layers, head, norm_w = make_model()
     weight_bytes = sum(t.numel() * 2 for p in layers for t in p.values()) + head.numel() * 2

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from torch_ext.hops.fused_add_rms_norm import has_triton
-from torch_ext.hops.launch_policy import runs_reference
+from torch_ext.kernels.fused_add_rms_norm import has_triton
+from torch_ext.kernels.launch_policy import runs_reference
 
 __all__ = ["decode_attention", "decode_attention_reference", "decode_attention_triton"]
 
@@ -105,7 +105,7 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
     else:
         ms, is_bool = (0, 0, 0, 0), False
     partial_kernel, grouped_kernel, combine_kernel = _kernels()
-    from torch_ext.hops.pdl_kernels import has_pdl, launch_options
+    from torch_ext.kernels.pdl_kernels import has_pdl, launch_options
 
     # Launched early behind the kernel before (PDL, Hopper+); each waits for it before reading anything.
     pdl = q.is_cuda and has_pdl(q.device)
@@ -133,6 +133,6 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
 
 def _kernels():
     # Imported here: the kernels' module imports Triton, this one must import without it.
-    from torch_ext.hops import decode_attention_kernels as kernels
+    from torch_ext.kernels import decode_attention_kernels as kernels
 
     return kernels.partial_kernel, kernels.grouped_kernel, kernels.combine_kernel
