@@ -84,9 +84,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_decode as H  # noqa: E402  (puts the repository on sys.path)
-from decode import copy_bandwidth  # noqa: E402  (device-to-device, read + write bytes)
-from floor_columns import AT_LAUNCH, EXPERIMENTS, column_experiment  # noqa: E402
-from table import print_table  # noqa: E402
+from harness import copy_bandwidth  # noqa: E402  (device-to-device, read + write bytes)
+from dev.floor_columns import AT_LAUNCH, EXPERIMENTS, column_experiment  # noqa: E402
+from harness import print_table  # noqa: E402
 
 CAPTURE = (1, 2, 4, 8, 16, 32)
 BATCH_1_ONLY = ("autotune", "ext-autotune")  # minutes of compile per batch

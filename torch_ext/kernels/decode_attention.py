@@ -28,7 +28,7 @@ __all__ = ["decode_attention", "decode_attention_reference", "decode_attention_t
 
 _TARGET_PROGRAMS = 264  # about two waves of an H100's 132 SMs
 # Per kernel: (cache positions per tile, warps, pipeline stages). The best of a sweep over 32/64/128 x
-# 2/4/8 x 1/2/3 on an H200 (`bench/decode_attention_op.py --sweep`, bench/results/decode_attention_sweep*):
+# 2/4/8 x 1/2/3 on an H200 (`bench/dev/decode_attention_op.py --sweep`, bench/results/decode_attention_sweep*):
 # stages 2 or 3 beat Triton's default by up to 10%; the per-head kernel wants small tiles where each row
 # is one program walking its whole cache (21 vs 24 us at 32x16x16x256), large ones where rows split it
 # (37 vs 47 us at 8x16x16x2048).

@@ -27,7 +27,7 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 def default_config(n: int, device_index: int, rows: int) -> tuple[int, int, int, int]:
     """(features a block / 16, warps, chunks in flight per warp, x mode: 1 x loaded a round ahead, 2 the
     ordered pipeline, 3 the same with x through shared memory). H100, chains of 16 of one Llama
-    projection (bench/decode_linear_op.py --shapes, bench/results/decode_linear_modes_h100_torch2.11.log,
+    projection (bench/dev/decode_linear_op.py --shapes, bench/results/decode_linear_modes_h100_torch2.11.log,
     decode_linear_x_smem_h100_torch2.11.log), x the time of the config before:
     - where the blocks fit the SMs about once (o, down: N = 2048, 128 blocks), 16 warps; up to 16 rows
       the ordered pipeline (o 0.90x / down 0.87x at 16 rows, 0.90x / 0.89x at 8), above that with x
@@ -94,7 +94,7 @@ def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *,
                       up=None, residual=None, gate=None, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """decode_linear (kernels/decode_linear.py: the prologue, F.linear, the gate, the residual add) for the
     tensors mma_takes accepts; config (features a block / 16, warps, chunks in flight per warp) replaces
-    the default (bench/decode_linear_op.py), a fourth entry the x mode (_full). With a gate
+    the default (bench/dev/decode_linear_op.py), a fourth entry the x mode (_full). With a gate
     a block computes 8 x MT outputs from 16 x MT weight rows: as many blocks as the whole projection
     (2 x width rows) takes without it."""
     n, k = weight.shape
@@ -165,7 +165,7 @@ def _variant(index: int, dtype: torch.dtype, n: int, rows: int, config, norm_wei
 
 def variant_attributes(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...] | None = None) -> dict:
     """Registers a thread and blocks an SM of the kernel that would serve F.linear(x, weight)
-    (bench/decode_linear_op.py prints them beside the times)."""
+    (bench/dev/decode_linear_op.py prints them beside the times)."""
     index = _index(x.device)
     func, (mt, warps, unroll, mode) = _variant(index, x.dtype, weight.shape[0], x.numel() // x.shape[-1], config, None,
                                                None, None)
