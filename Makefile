@@ -64,7 +64,7 @@ demo: $(VENV)/.ready
 	$(VENV)/bin/python -m torch_ext demo
 
 bench: $(VENV)/.ready
-	$(VENV)/bin/python bench/trace_time.py
+	$(VENV)/bin/python bench/dev/trace_time.py
 	$(VENV)/bin/python bench/compile_time.py
 
 clean:

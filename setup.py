@@ -20,6 +20,7 @@ setup(
         "torch_ext.backend.dispatch",
         "torch_ext.compat",
         "torch_ext.demo",
+        "torch_ext.kernels",
         "torch_ext.variables",
         "torch_ext.hops",
     ],

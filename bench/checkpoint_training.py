@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # checkpoint_models, hf_m
 
 import torch  # noqa: E402
 
-from table import print_table  # noqa: E402
+from harness import print_table  # noqa: E402
 
 COLUMNS = ("eager", "inductor", "ext", "ext-split", "ext-split-pieces")
 

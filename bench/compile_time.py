@@ -30,7 +30,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # backend_models: the decoder and its op
 
-from table import print_table  # noqa: E402
+from harness import print_table  # noqa: E402
 
 D_MODEL = 64
 BATCH = 8

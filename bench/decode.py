@@ -8,7 +8,7 @@ rotary), bf16, random weights, no embedding or LM head. One decode step at conte
 B sequences writes its new k/v at position 255 of a preallocated KV cache (one tensor per layer,
 key and value stacked) and attends over 256 positions. The attention is an opaque custom op (the
 splitting op) that writes the cache in place and its result into a buffer the model allocates
-just before the call; by default it is one Triton kernel (bench/decode_attention.py, checked
+just before the call; by default it is one Triton kernel (bench/dev/decode_attention.py, checked
 against SDPA first), --attention picks an SDPA backend instead, or "custom_op": what users write,
 a plain torch.library.custom_op that writes the cache and returns SDPA's result. A comma-separated
 --attention measures each in turn, in one run.
@@ -29,7 +29,7 @@ HBM floor: (weight bytes + KV bytes read) / device-to-device copy bandwidth meas
 Every variant's output is checked against eager (relative L2 error of the step's output).
 Ratios to hand-graph are also given from interleaved rounds (see the end of main): host-bound
 steps follow the host's speed, which drifts between columns run minutes apart.
-Where the time of a step goes: bench/decode_profile.py.
+Where the time of a step goes: bench/dev/decode_profile.py.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from table import print_table  # noqa: E402
+from harness import copy_bandwidth, print_table  # noqa: E402
 
 HIDDEN, HEADS, HEAD_DIM, MLP, CONTEXT, EPS = 2048, 16, 128, 5632, 256, 1e-6
 POS = CONTEXT - 1
@@ -56,7 +56,7 @@ DTYPE = torch.bfloat16
 
 _LIB = None
 # How the attention op attends: "triton", one kernel that also writes the cache and writes into the
-# op's output buffer (bench/decode_attention.py); or softmax(q k^T) v through SDPA after a cache
+# op's output buffer (bench/dev/decode_attention.py); or softmax(q k^T) v through SDPA after a cache
 # write, copied into that buffer: "auto" lets torch's dispatcher pick (cuDNN on an H200 with torch
 # 2.11), the others call one SDPA backend directly (fewer host calls).
 SDPA = {
@@ -74,7 +74,7 @@ def define_attention():
     direct_register_custom_op): piecewise graphs pay its host cost 16 times per step, and at
     batch 1 a step is about as host-bound as GPU-bound on the H200 machines. Per call this adds
     about 3 us to calling the function; torch_ext's splitting_op(..., autograd=False), which also
-    guards gradients, about 8; torch.library.custom_op 18-30 (bench/splitting_op_cost.py). Safe
+    guards gradients, about 8; torch.library.custom_op 18-30 (bench/dev/splitting_op_cost.py). Safe
     here: the benchmark runs without grads. It writes into `out`, allocated by the model just
     before the call (vLLM's attention-with-output shape): under piecewise CUDA graphs that buffer
     is an output of the graph before the op, so the graph after it reads the result where it is
@@ -85,7 +85,7 @@ def define_attention():
         return
     triton_attention = None
     if torch.cuda.is_available():
-        from decode_attention import decode_attention as triton_attention
+        from dev.decode_attention import decode_attention as triton_attention
     _LIB = torch.library.Library("decode_bench", "DEF")
     _LIB.define("attention(Tensor q, Tensor kv, Tensor(a!) kv_cache, int pos, Tensor(b!) out) -> ()")
 
@@ -178,23 +178,6 @@ class Decoder(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer(h, kv_cache, cos, sin, pos)
         return self.norm(h)
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    src = torch.randn(nbytes // 2, dtype=DTYPE, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * nbytes / statistics.median(times)
 
 
 def time_steps(step, inputs, iters: int) -> float:
@@ -312,7 +295,7 @@ def main() -> int:
 
 def bench(args) -> int:
     if attention_impl == "triton":
-        from decode_attention import check
+        from dev.decode_attention import check
 
         err = check("cuda")
         print(f"attention kernel vs float64 SDPA: max rel err {err:.1e}", flush=True)

@@ -65,7 +65,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # torch_ext, uninstalled too
 
-from table import print_table  # noqa: E402
+from harness import print_table  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: nothing to download
 

@@ -35,7 +35,7 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
   ext-nocg-forced  ext-nocg with decode_attention=True, decode_linear=True (what the default avoids);
               ext-nocg-forced-nofuse the same without the fusion
   ext-uncaptured  ext compiled with a dynamic batch and capture size 1 only: batches above 1 run the compiled
-              code without graphs, the decode ops there on their reference (hops/launch_policy.py);
+              code without graphs, the decode ops there on their reference (kernels/launch_policy.py);
               ext-uncaptured-forced the same with the ops set to True (their kernels launched from Python)
   inductor    torch.compile(model.forward) with Inductor's defaults (no CUDA graphs)
   ext-rows1   ext with decode_linear at one row only (cuBLAS and Inductor's norms from two rows up: the
@@ -84,9 +84,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_decode as H  # noqa: E402  (puts the repository on sys.path)
-from decode import copy_bandwidth  # noqa: E402  (device-to-device, read + write bytes)
-from floor_columns import AT_LAUNCH, EXPERIMENTS, column_experiment  # noqa: E402
-from table import print_table  # noqa: E402
+from harness import copy_bandwidth  # noqa: E402  (device-to-device, read + write bytes)
+from dev.floor_columns import AT_LAUNCH, EXPERIMENTS, column_experiment  # noqa: E402
+from harness import print_table  # noqa: E402
 
 CAPTURE = (1, 2, 4, 8, 16, 32)
 BATCH_1_ONLY = ("autotune", "ext-autotune")  # minutes of compile per batch
@@ -317,7 +317,7 @@ def main() -> int:
     global NO_DECODE_ATTENTION
     NO_DECODE_ATTENTION = args.no_decode_attention
     if args.decode_linear_rows is not None:  # an experiment: the op's limit, read at compile and at run time
-        import torch_ext.hops.decode_linear as decode_linear
+        import torch_ext.kernels.decode_linear as decode_linear
 
         decode_linear.MAX_ROWS = args.decode_linear_rows
     if args.log:

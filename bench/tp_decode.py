@@ -40,7 +40,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode as D  # noqa: E402
-from table import print_table  # noqa: E402
+from harness import print_table  # noqa: E402
 
 COLUMNS = ("eager", "compile", "ext-piecewise", "ext-full")
 WORLD = 2

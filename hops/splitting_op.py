@@ -17,7 +17,7 @@ dtype without running the op; an op returning None needs none.
 `autograd=False` declares an inference-only op, registered straight with the dispatcher (as vLLM's
 direct_register_custom_op does): under no_grad a call adds about 7 us to calling the function
 where custom_op's Python autograd, view-tracking and alias-checking layers add 14-23 us, and under
-inference_mode 3 us where custom_op adds 6 (`python bench/splitting_op_cost.py`, 2-core CPU);
+inference_mode 3 us where custom_op adds 6 (`python bench/dev/splitting_op_cost.py`, 2-core CPU);
 piecewise CUDA graphs pay that for every splitting op of every step. Such an op refuses inputs
 that require grad while grad mode is on (no gradient can be silently lost) and bumps the version
 counters of the tensors it mutates, as custom_op does.

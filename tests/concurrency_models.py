@@ -1,5 +1,5 @@
 """A stateless model with SDPA, and a runner of many threads calling one compiled model, for
-tests/test_concurrency_gpu.py and bench/concurrency.py."""
+tests/test_concurrency_gpu.py and bench/dev/concurrency.py."""
 from __future__ import annotations
 
 import random

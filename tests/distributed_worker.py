@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import json
+import os
 import sys
 
 import torch
@@ -172,6 +174,30 @@ def run_tp_decoder(rank: int, world: int, cache_dir: str) -> dict:
     return {"rank": rank, "max_error": worst, "counters": counters.snapshot()}
 
 
+def end_process_group() -> None:
+    """destroy_process_group, then a collection. On torch 2.15 a compiled graph's node meta holds the
+    ProcessGroup itself (the `real_obj` of a FakeScriptObject: the group is an opaque object there), and
+    such graphs are reference cycles: without the collection the group, and gloo's threads, outlived
+    destroy_process_group until the interpreter's teardown, where a rank aborted now and then after
+    printing its results ("terminate called without an active exception", SIGABRT)."""
+    dist.destroy_process_group()
+    gc.collect()
+
+
+def native_threads(prefix: str) -> list[str]:
+    """Names of this process's OS threads that start with `prefix` (Linux; none elsewhere)."""
+    if not os.path.isdir("/proc/self/task"):
+        return []
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sorted(n for n in names if n.startswith(prefix))
+
+
 def main() -> None:
     mode, rank, world, store_file = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     dist.init_process_group("gloo", store=dist.FileStore(store_file, world), rank=rank, world_size=world,
@@ -180,7 +206,8 @@ def main() -> None:
         result = run_local_map(rank, world) if mode == "local_map" else run_tp_decoder(rank, world, sys.argv[5])
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        end_process_group()
+    result["threads_at_exit"] = native_threads("gloo") + native_threads("pt_gloo")  # none may outlive the group
     print(json.dumps(result), flush=True)
 
 

@@ -1,4 +1,4 @@
-"""decode_linear's CUDA kernel (hops/decode_linear_mma_source.py) through NVRTC and ptxas for sm_90, on the CPU:
+"""decode_linear's CUDA kernel (kernels/decode_linear_mma_source.py) through NVRTC and ptxas for sm_90, on the CPU:
 every variant the op can build compiles, and the ones its default configs launch keep every value in
 registers (a spill to local memory would put the weights' stream behind stack traffic). The GPU tests
 run the kernel; this catches a broken source where no GPU is (CI). NVRTC comes with torch's CUDA wheels
@@ -12,8 +12,8 @@ import re
 import pytest
 import torch
 
-from torch_ext.hops.decode_linear_mma import MMA_MAX_ROWS, X_SLOTS, default_config
-from torch_ext.hops.decode_linear_mma_source import build_source
+from torch_ext.kernels.decode_linear_mma import MMA_MAX_ROWS, X_SLOTS, default_config
+from torch_ext.kernels.decode_linear_mma_source import build_source
 
 
 def _nvrtc():
@@ -78,7 +78,7 @@ def test_every_variant_compiles_and_the_default_ones_do_not_spill():
 @pytest.mark.parametrize("xpf", [2, 3])
 @pytest.mark.parametrize("nt,warps,unroll", [(4, 4, 1), (4, 8, 1), (4, 16, 1), (2, 8, 2), (1, 16, 1)])
 def test_the_ordered_pipeline_compiles_with_every_prologue(nt, warps, unroll, xpf):
-    """x modes 2 and 3 (hops/decode_linear_mma_pipelines.py: Stage; x in registers, or through shared
+    """x modes 2 and 3 (kernels/decode_linear_mma_pipelines.py: Stage; x in registers, or through shared
     memory) for the tile shapes the defaults use; mode 3 without a spill."""
     lib = _nvrtc()
     for norm, gated, gate_epilogue in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 0, 1)):
@@ -102,7 +102,7 @@ def test_float16_and_pre_hopper_builds(dtype, arch):
 
 def test_a_config_names_only_the_x_modes_the_source_has():
     """A fourth config entry the source does not know would compile as mode 1 without a word."""
-    from torch_ext.hops.decode_linear_mma import _full
+    from torch_ext.kernels.decode_linear_mma import _full
 
     assert _full((1, 8, 2)) == (1, 8, 2, 0) and _full((1, 16, 1, 2)) == (1, 16, 1, 2)
     assert _full((1, 16, 1, 3)) == (1, 16, 1, 3)
@@ -131,7 +131,7 @@ def test_the_gate_epilogue_costs_no_blocks_an_sm():
     6, gate/up's 704 blocks at 32 rows took two waves, and the fused gate lost to Inductor's kernel. For
     each variant the defaults launch at GATE_EPILOGUE_ROWS: the gated kernel's registers, rounded to the
     allocation unit of 8, are no more than the plain kernel's."""
-    from torch_ext.hops.decode_linear import GATE_EPILOGUE_ROWS
+    from torch_ext.kernels.decode_linear import GATE_EPILOGUE_ROWS
 
     lib = _nvrtc()
     gated_rows = {rows for rows in GATE_EPILOGUE_ROWS if rows > 1}

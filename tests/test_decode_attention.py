@@ -1,4 +1,4 @@
-"""torch_ext::decode_attention (hops/decode_attention.py) and the rewrite that puts it in place of a
+"""torch_ext::decode_attention (kernels/decode_attention.py) and the rewrite that puts it in place of a
 decode step's SDPA (backend/rewrite/decode_attention.py).
 
 On the CPU the op runs SDPA itself, so the model tests check the rewrite (which calls it replaces,
@@ -25,7 +25,7 @@ ON = {"decode_attention": True, "cache_dir": None}
 
 KERNEL_CHECK = r'''
 import sys, torch
-from torch_ext.hops.decode_attention import decode_attention_reference as ref, decode_attention_triton as tri
+from torch_ext.kernels.decode_attention import decode_attention_reference as ref, decode_attention_triton as tri
 torch.manual_seed(0)
 cases = [(1, 4, 4, 100, 64, None), (2, 8, 2, 300, 128, "bool"), (3, 4, 1, 64, 32, "float"),
          (2, 4, 4, 513, 80, "bool_one"), (1, 2, 2, 17, 16, "float_heads"), (2, 2, 2, 9, 8, "none_masked"),

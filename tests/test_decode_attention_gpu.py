@@ -7,7 +7,7 @@ import torch
 
 import hf_models as hf
 from torch_ext.backend import counters
-from torch_ext.hops.decode_attention import decode_attention_reference, decode_attention_triton
+from torch_ext.kernels.decode_attention import decode_attention_reference, decode_attention_triton
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

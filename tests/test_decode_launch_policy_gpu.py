@@ -1,6 +1,6 @@
 """The decode ops' kernels run where a CUDA graph replays them; a call of the same compiled code that
 runs without a graph (a batch above the largest capture size) has the ops left to their default run
-their reference instead (hops/launch_policy.py), and an op the user turned on keeps its kernel. Run
+their reference instead (kernels/launch_policy.py), and an op the user turned on keeps its kernel. Run
 through the device tool; skipped without CUDA."""
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def _count_kernel_launches(monkeypatch) -> collections.Counter:
     """Counts of the ops' kernel launches (the module globals their CUDA kernels call), by op."""
-    import torch_ext.hops.decode_attention as attention
-    import torch_ext.hops.decode_linear as linear
-    import torch_ext.hops.decode_linear_mma as linear_mma
+    import torch_ext.kernels.decode_attention as attention
+    import torch_ext.kernels.decode_linear as linear
+    import torch_ext.kernels.decode_linear_mma as linear_mma
 
     launches = collections.Counter()
     for module, name in ((attention, "decode_attention_triton"), (linear, "decode_linear_triton"),

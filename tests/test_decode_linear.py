@@ -1,4 +1,4 @@
-"""torch_ext::decode_linear (hops/decode_linear.py) and the rewrite that puts it in place of linear
+"""torch_ext::decode_linear (kernels/decode_linear.py) and the rewrite that puts it in place of linear
 calls of a few rows (backend/rewrite/decode_linear.py).
 
 The kernel is checked against a float64 reference under TRITON_INTERPRET=1 (a subprocess: the
@@ -21,7 +21,7 @@ from triton_interpreter import run_in_interpreter
 
 KERNEL_CHECK = r'''
 import torch
-from torch_ext.hops.decode_linear import config, decode_linear_triton
+from torch_ext.kernels.decode_linear import config, decode_linear_triton
 torch.manual_seed(0)
 cases = [(2048, 9, False, torch.float32), (320, 10, True, torch.bfloat16), (4096, 7, True, torch.float32),
          (192, 5, False, torch.float16), (2048, 4, False, torch.bfloat16), (256, 33, True, torch.float16),
@@ -54,7 +54,7 @@ def test_kernel_equals_a_float64_reference_in_the_interpreter():
 
 FUSED_CHECK = r'''
 import torch
-from torch_ext.hops.decode_linear import decode_linear_reference, decode_linear_triton, prologue_reference
+from torch_ext.kernels.decode_linear import decode_linear_reference, decode_linear_triton, prologue_reference
 torch.manual_seed(0)
 worst = 0.0
 # No bfloat16: the interpreter rounds float32 -> bfloat16 toward zero (the GPU test checks bfloat16).
@@ -187,7 +187,7 @@ def test_rewrite_leaves_many_rows_and_symbolic_rows_alone(monkeypatch, shape, dy
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rewrite_takes_up_to_max_rows_of_a_16_bit_input(monkeypatch, dtype):
     """The op's CUDA path serves 2..MAX_ROWS rows of a 16-bit float; one more row is F.linear's."""
-    from torch_ext.hops import decode_linear as op
+    from torch_ext.kernels import decode_linear as op
 
     monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
     model = torch.nn.Sequential(torch.nn.Linear(64, 32)).to(dtype).eval()

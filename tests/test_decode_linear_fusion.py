@@ -179,11 +179,11 @@ def test_nothing_is_fused_across_an_in_place_write(monkeypatch, form):
 
 
 def test_several_rows_of_a_16_bit_model_fold_their_residual_adds_and_float32_rows_stay_linear(monkeypatch):
-    """Up to MAX_ROWS rows of float16 / bfloat16 run the op's CUDA path (hops/decode_linear_mma.py): their
+    """Up to MAX_ROWS rows of float16 / bfloat16 run the op's CUDA path (kernels/decode_linear_mma.py): their
     residual adds fold into it; the norm and gate only up to NORM_ / GATE_PROLOGUE_MAX_ROWS (raised: all five, as at
     one row). Several float32 rows are left to F.linear (cuBLAS beats every kernel of ours there). The
     Triton kernel itself takes one row only; the op routes several rows elsewhere."""
-    from torch_ext.hops import decode_linear as op
+    from torch_ext.kernels import decode_linear as op
 
     monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
     x = torch.randn(4, 1, DIM, dtype=torch.bfloat16)
@@ -292,8 +292,8 @@ def test_above_the_prologue_rows_the_gate_runs_in_the_gate_up_projections_epilog
     """At GATE_EPILOGUE_ROWS rows (here 2..MAX_ROWS: the CUDA path) silu(gate) * up over two slices of one
     projection's output becomes that projection's call with gate=[gate's start, up's start, width]: no
     kernel of its own. At one row the down projection's prologue takes the gate instead (as before).
-    Outside them (the default at 4 rows: slower in HF Llama, hops/decode_linear.py) the gate is left to Inductor."""
-    from torch_ext.hops import decode_linear as op
+    Outside them (the default at 4 rows: slower in HF Llama, kernels/decode_linear.py) the gate is left to Inductor."""
+    from torch_ext.kernels import decode_linear as op
 
     monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
     model = GatedMLP(form).to(torch.bfloat16).eval()
@@ -331,7 +331,7 @@ def test_by_default_the_gate_epilogue_serves_9_to_32_rows(monkeypatch, rows):
 
 @pytest.mark.parametrize("form", ["rows", "two_calls", "gate_read_twice"])
 def test_gate_epilogue_near_misses_are_left_alone(monkeypatch, form):
-    from torch_ext.hops import decode_linear as op
+    from torch_ext.kernels import decode_linear as op
 
     monkeypatch.setattr(op, "GATE_EPILOGUE_ROWS", range(2, op.MAX_ROWS + 1))
     monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
@@ -344,7 +344,7 @@ def test_gate_epilogue_near_misses_are_left_alone(monkeypatch, form):
 def test_the_gate_runs_as_eager_computes_it_and_a_bad_gate_is_refused():
     """The op's reference (what every kernel must match): eager's silu over one slice times the other,
     each rounded as eager rounds; a gate outside the projection is an error, not a short slice."""
-    from torch_ext.hops.decode_linear import decode_linear_reference
+    from torch_ext.kernels.decode_linear import decode_linear_reference
 
     x, w, b = (torch.randn(3, DIM, dtype=torch.bfloat16), torch.randn(2 * HIDDEN, DIM, dtype=torch.bfloat16),
                torch.randn(2 * HIDDEN, dtype=torch.bfloat16))
@@ -363,7 +363,7 @@ def test_hf_llama_at_batch_four_runs_each_layers_gate_in_its_gate_up_projection(
     several steps."""
     import torch_ext
     from torch_ext.backend import CompileConfig, counters
-    from torch_ext.hops import decode_linear as op
+    from torch_ext.kernels import decode_linear as op
     import hf_models as hf
 
     monkeypatch.setattr(op, "GATE_EPILOGUE_ROWS", range(2, op.MAX_ROWS + 1))

@@ -8,7 +8,7 @@ import torch
 
 import hf_models as hf
 from torch_ext.backend import counters
-from torch_ext.hops.decode_linear import decode_linear_triton
+from torch_ext.kernels.decode_linear import decode_linear_triton
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -41,7 +41,7 @@ def test_op_equals_a_float64_reference(pdl, dtype, tol, rows, k, n, bias):
 def test_fused_parts_equal_the_eager_formulation(pdl, dtype, parts):
     """The norm / gate / residual add run inside the kernel: eager's prologue (its roundings), then the
     projection in float64, rounded, plus the residual; bfloat16 here (the interpreter rounds it wrong)."""
-    from torch_ext.hops.decode_linear import prologue_reference
+    from torch_ext.kernels.decode_linear import prologue_reference
 
     k, n = 2048, 5632
     g = torch.Generator(device="cuda").manual_seed(len(parts))

@@ -1,4 +1,4 @@
-"""decode_linear's CUDA path (hops/decode_linear_mma.py: weights streamed into mma fragments) on a GPU
+"""decode_linear's CUDA path (kernels/decode_linear_mma.py: weights streamed into mma fragments) on a GPU
 against a float64 reference, every launch config shape, with and without programmatic dependent launch,
 inside CUDA graphs too; skipped without CUDA."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 import hf_models as hf
 from test_decode_linear_gpu import assert_dependent_launch_chain_reads_each_input_complete
 from torch_ext.backend import counters
-from torch_ext.hops.decode_linear import prologue_reference
-from torch_ext.hops.decode_linear_mma import decode_linear_mma, mma_takes
+from torch_ext.kernels.decode_linear import prologue_reference
+from torch_ext.kernels.decode_linear_mma import decode_linear_mma, mma_takes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -158,8 +158,8 @@ def test_hf_llama_in_bfloat16_at_small_batches_runs_the_path_fused_and_matches_e
     inside (and its norms and gate where NORM_ / GATE_PROLOGUE_MAX_ROWS let them in; the gate in gate/up's epilogue
     at GATE_EPILOGUE_ROWS rows), logits equal eager's
     (bfloat16 tolerance), weights scaled in place at step 3 are read."""
-    import torch_ext.hops.decode_linear as op
-    import torch_ext.hops.decode_linear_mma as module
+    import torch_ext.kernels.decode_linear as op
+    import torch_ext.kernels.decode_linear_mma as module
 
     monkeypatch.setattr(op, "NORM_PROLOGUE_MAX_ROWS", prologue_rows)
     monkeypatch.setattr(op, "GATE_PROLOGUE_MAX_ROWS", prologue_rows)
@@ -179,7 +179,7 @@ def test_hf_llama_in_bfloat16_at_small_batches_runs_the_path_fused_and_matches_e
 
 def test_a_kernel_that_does_not_compile_leaves_the_calls_to_f_linear(monkeypatch):
     """No NVRTC, or a compile error: said once, and the op runs F.linear (no crash inside a model)."""
-    import torch_ext.hops.decode_linear_mma as module
+    import torch_ext.kernels.decode_linear_mma as module
     from torch_ext import compat
 
     def broken(source, name):

@@ -1,4 +1,4 @@
-"""hops/launch_policy.py: the per-thread switch that has the decode ops run their reference where a
+"""kernels/launch_policy.py: the per-thread switch that has the decode ops run their reference where a
 graph compiled for CUDA graphs runs without one, and the CUDA-graph runner that sets it (the GPU side,
 kernels counted in a real model: test_decode_launch_policy_gpu.py)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from torch_ext.backend import CompileConfig
 from torch_ext.backend.runtime.cudagraph.manager import CudaGraphManager
 from torch_ext.backend.runtime.cudagraph.runner import CudaGraphRunner
-from torch_ext.hops.launch_policy import launched_from_host, runs_reference
+from torch_ext.kernels.launch_policy import launched_from_host, runs_reference
 
 
 def test_the_switch_nests_and_is_per_thread():

@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from torch_ext.backend.passes import FuseAddRMSNormPass, PassManager
 from torch_ext.backend.passes.fusion_add_rms_norm import COUNTER
-from torch_ext.hops.fused_add_rms_norm import fused_add_rms_norm_reference
+from torch_ext.kernels.fused_add_rms_norm import fused_add_rms_norm_reference
 
 OP = torch.ops.torch_ext.fused_add_rms_norm.default
 

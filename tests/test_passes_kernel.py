@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from torch_ext.hops.fused_add_rms_norm import fused_add_rms_norm_reference
+from torch_ext.kernels.fused_add_rms_norm import fused_add_rms_norm_reference
 
 OP = torch.ops.torch_ext.fused_add_rms_norm.default
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -16,7 +16,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch, triton
-    from torch_ext.hops import fused_add_rms_norm as m
+    from torch_ext.kernels import fused_add_rms_norm as m
 
     def trunc_bf16(t):  # the interpreter casts fp32 -> bf16 by truncation; GPUs round to nearest
         return (t.float().view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)

@@ -31,7 +31,7 @@ def _ttir(kernel, signature: dict, constexprs: dict) -> str:
 
 @pytest.mark.parametrize("k,block_k,pre_k", [(2048, 512, 2048), (5632, 512, 4096), (320, 64, 256), (64, 64, 64)])
 def test_decode_linear_kernel_builds_for_every_fused_part(k, block_k, pre_k):
-    from torch_ext.hops.decode_linear_kernels import decode_linear_kernel
+    from torch_ext.kernels.decode_linear_kernels import decode_linear_kernel
 
     pointers = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "g_ptr", "up_ptr", "res_ptr")
     signature = {name: "*bf16" if name in pointers else {"eps": "fp32", "N": "i32"}.get(name, "constexpr")
@@ -60,7 +60,7 @@ def test_a_loop_carried_shape_change_is_what_this_catches():
 @pytest.mark.parametrize("mask", [None, "bool", "float"])
 @pytest.mark.parametrize("direct", [False, True])
 def test_decode_attention_kernels_build(mask, direct):
-    from torch_ext.hops.decode_attention_kernels import combine_kernel, grouped_kernel, partial_kernel
+    from torch_ext.kernels.decode_attention_kernels import combine_kernel, grouped_kernel, partial_kernel
 
     pointers = {"q", "k", "v", "mask", "partial", "out"}
     for kernel, extra in ((partial_kernel, {}), (grouped_kernel, dict(BLOCK_G=16, IEEE=False))):

@@ -25,6 +25,7 @@ from torch_ext.backend.compile import cache as cache_mod
 from torch_ext.backend.compile import environment
 from torch_ext.backend.warm_start import key as warm_key
 from torch_ext.backend.warm_start import program as warm_start
+from torch_ext.backend.warm_start.module import WarmStartModule
 
 WORKER = os.path.join(os.path.dirname(__file__), "warm_worker.py")
 aot_only = pytest.mark.skipif(not compat.HAS_AOT_COMPILE, reason="this torch has no AOT compile: no warm start")
@@ -386,7 +387,7 @@ def test_warm_start_off_or_unavailable(tmp_path, caplog):
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "warm_start applies to torch_ext.compile" in said
     if compat.HAS_AOT_COMPILE:
-        assert isinstance(compiled, warm_start.WarmStartModule)
+        assert isinstance(compiled, WarmStartModule)
     else:  # torch 2.9.1: the normal path, and a line saying so
         assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
         assert "has no AOT compile" in said

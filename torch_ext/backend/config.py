@@ -200,13 +200,13 @@ class CompileConfig:
     # GEMM; their parameters become views of one buffer per group (rewrite/merge_projections.py).
     merge_projections: bool = True
     # Inference graphs: SDPA of one query token per sequence (decode) runs torch_ext's split-KV kernel
-    # (hops/decode_attention.py) instead of a prefill kernel (rewrite/decode_attention.py).
+    # (kernels/decode_attention.py) instead of a prefill kernel (rewrite/decode_attention.py).
     # None (the default): where CUDA graphs replay the launches (cudagraph_mode other than "none"). Our
     # ops launch their Triton kernels from Python, ~0.1 ms of CPU a call: without graphs a decode step
     # waits on them (H100, HF Llama batch 1: 12.8 ms a step against 0.9 ms captured).
     decode_attention: bool | None = None
     # Inference graphs on CUDA: linear calls of one row (a batch-1 decode step's projections), and of 2-8
-    # rows in float16 / bfloat16, run torch_ext's kernels (hops/decode_linear.py: a Triton GEMV, a CUDA
+    # rows in float16 / bfloat16, run torch_ext's kernels (kernels/decode_linear.py: a Triton GEMV, a CUDA
     # tensor-core kernel; rewrite/decode_linear.py) instead of cuBLAS, with
     # Inductor's dependent launch (Hopper+) and combo kernels in the pieces that call it or decode
     # attention (compile/decode_options.py). None: as decode_attention's.

@@ -2,7 +2,7 @@
 
 Programmatic dependent launch (PDL): torch_ext::decode_linear's kernel loads its weights before the
 kernel before it has finished, and torch_ext::decode_attention's kernels launch early behind it
-(hops/pdl_kernels.py). That overlap happens only where the kernel before lets its dependents start
+(kernels/pdl_kernels.py). That overlap happens only where the kernel before lets its dependents start
 early, which Inductor's Triton kernels do under `triton.enable_pdl` (each waits for its predecessor
 before touching data the predecessor wrote, and triggers its dependents after its last load). H100, HF
 Llama 16x2048 decode (bench/inference_floor.py, bench/results/inference_floor_pdl_attention_*): batch 1
@@ -90,6 +90,6 @@ def _has_cuda() -> bool:
 
 
 def _gpu_has_pdl() -> bool:
-    from torch_ext.hops.pdl_kernels import has_pdl  # imports Triton: only where a GPU is
+    from torch_ext.kernels.pdl_kernels import has_pdl  # imports Triton: only where a GPU is
 
     return has_pdl(torch.device("cuda", torch.cuda.current_device()))

@@ -60,6 +60,7 @@ from torch_ext import compat
 from torch_ext.backend.dump import decompile
 from torch_ext.backend.runtime.cudagraph.errors import CudaGraphError
 from torch_ext.backend.warm_start import program as warm_program
+from torch_ext.backend.warm_start.module import SavedStandIn
 from torch_ext.backend.dispatch.module_state import ModuleState
 from torch_ext.backend.dispatch.signature import CallSignature
 
@@ -137,7 +138,7 @@ class GuardFreeDispatcher:
         _ensure_hook()
 
     def __reduce__(self):  # pickled with a module whose forward it replaced (see SavedStandIn)
-        return warm_program.SavedStandIn, (self.func.__qualname__,)
+        return SavedStandIn, (self.func.__qualname__,)
 
     def __repr__(self) -> str:
         state = f"{len(self._variants)} armed" if self._variants else "not compiled yet"

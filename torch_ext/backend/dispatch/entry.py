@@ -12,6 +12,7 @@ import torch
 from torch_ext.backend.backend import TorchExtBackend
 from torch_ext.backend.dispatch.dispatcher import GuardFreeDispatcher, forward_of
 from torch_ext.backend.warm_start import program as warm_program
+from torch_ext.backend.warm_start.module import WarmStartModule
 
 log = logging.getLogger("torch_ext.backend")
 
@@ -31,7 +32,7 @@ def compile(model, config=None, *, dynamic: bool | None = None):
         func, self_arg = forward_of(model)
         warm = warm_program.for_forward(model, func, self_arg, backend, dynamic) if func is not None else None
         if warm is not None:
-            compiled = warm_program.WarmStartModule(model, compiled, warm)
+            compiled = WarmStartModule(model, compiled, warm)
     owner = getattr(model, "__self__", None)
     if inspect.ismethod(model) and isinstance(owner, torch.nn.Module) and callable(getattr(owner, "generate", None)):
         _no_compile_around(owner)

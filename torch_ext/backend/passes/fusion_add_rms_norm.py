@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx
 
-import torch_ext.hops.fused_add_rms_norm as _op_module
+import torch_ext.kernels.fused_add_rms_norm as _op_module
 from torch_ext.backend.passes import multi_output_match as _mom_module
 from torch_ext.backend.passes.base import Pass
 from torch_ext.backend.passes.multi_output_match import MultiOutputMatch

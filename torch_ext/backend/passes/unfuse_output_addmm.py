@@ -8,7 +8,7 @@ sum is also a piece output (the residual handed to the next piece), so it become
 residual before it then feeds that addmm and is folded too. On CUDA `addmm(x, a, b, out=buf)`
 first copies x into buf (a device-to-device memcpy) and then runs the GEMM with beta=1: measured
 on an H200, 30 extra memcpys per 16-layer decode step, 1.04x the time of the same model compiled
-whole (bench/decode_profile.py).
+whole (bench/dev/decode_profile.py).
 
 This pass, run after Inductor's own patterns, turns such an addmm back into `mm` + `add` when the
 sum has at least one pointwise user and no users besides pointwise ones and the output: the add

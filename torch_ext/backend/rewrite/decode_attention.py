@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-import torch_ext.hops.decode_attention  # noqa: F401  (registers the op: also where a saved graph calling it loads)
+import torch_ext.kernels.decode_attention  # noqa: F401  (registers the op: also where a saved graph calling it loads)
 from torch_ext.backend.rewrite.writes import writes_between
 
 log = logging.getLogger("torch_ext.backend")

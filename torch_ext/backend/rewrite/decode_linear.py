@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torch_ext.backend.rewrite.decode_attention import SDPA_TARGETS, example_value
 from torch_ext.backend.rewrite.merge_projections import LINEAR_TARGETS
-from torch_ext.hops import decode_linear as op_module  # registers the op: also where a saved graph calling it loads
+from torch_ext.kernels import decode_linear as op_module  # registers the op: also where a saved graph calling it loads
 
 log = logging.getLogger("torch_ext.backend")
 

@@ -11,7 +11,7 @@ After rewrite/decode_linear.py a Llama-style layer (HF's RMSNorm, a gated MLP, r
     h2 = h1 + decode_linear(silu(gate) * up, Wdown)
 
 and Inductor runs each norm, the gate and each add as a kernel of its own: it cannot fuse into our op.
-Here, where the graph has exactly these forms (hops/decode_linear.py computes them as eager does):
+Here, where the graph has exactly these forms (kernels/decode_linear.py computes them as eager does):
   - norm: a call whose input is such an RMSNorm's output, used by decode_linear calls alone, takes h1,
     g and eps instead (norm_weight=, eps=);
   - gate: a call whose input is silu(a) * b, used by decode_linear calls alone, takes a and up=b;
@@ -36,7 +36,7 @@ import torch.fx as fx
 from torch_ext.backend.rewrite.decode_attention import example_value
 from torch_ext.backend.rewrite.decode_linear import computed_in_graph, op_name
 from torch_ext.backend.rewrite.writes import writes_between
-from torch_ext.hops import decode_linear as op_module
+from torch_ext.kernels import decode_linear as op_module
 
 log = logging.getLogger("torch_ext.backend")
 

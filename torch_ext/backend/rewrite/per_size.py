@@ -22,7 +22,7 @@ from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.rewrite.decode import decode_rewrites
 from torch_ext.backend.rewrite.decode_attention import example_value
 from torch_ext.backend.rewrite.merge_projections import LINEAR_TARGETS
-from torch_ext.hops import decode_linear as linear_op
+from torch_ext.kernels import decode_linear as linear_op
 
 log = logging.getLogger("torch_ext.backend")
 

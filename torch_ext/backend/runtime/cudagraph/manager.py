@@ -43,8 +43,8 @@ Padding assumes rows of the batch dim are computed independently (token-wise dec
 region that writes in place into a tensor without the batch dim (outside splitting ops) would
 write padding rows into it, so such a region is only captured at exact capture sizes.
 
-Files: this module is the manager (analysis of the Dynamo graph, wrapping, the shared pool and
-capture); runner.py captures and replays one region (plan.py: what it holds per size), group.py times
+Files: this module is the manager (analysis of the Dynamo graph, wrapping); capture.py owns the
+shared pool and captures; runner.py captures and replays one region (plan.py: what it holds per size), group.py times
 the captures of one graph; padding.py holds the shapes as functions of the batch size;
 split/graph_writes.py finds inputs written in place; errors.py and stats.py are imported by the dispatcher and by tests without the rest.
 """
@@ -55,18 +55,16 @@ import dataclasses
 import logging
 import operator
 import re
-import time
 import warnings
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-import tqdm
 
-from torch_ext import compat
 from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.runtime.cudagraph.errors import (CudaGraphAddressError, CudaGraphBufferMutationError,
                                                 CudaGraphCaptureError, CudaGraphError, mutation_error)
+from torch_ext.backend.runtime.cudagraph.capture import GraphCapture, capture_sizes
 from torch_ext.backend.runtime.cudagraph.concurrency import CallOrder, SerializedGraph
 from torch_ext.backend.runtime.cudagraph.group import RunnerGroup
 from torch_ext.backend.runtime.cudagraph.runner import CudaGraphRunner
@@ -107,26 +105,23 @@ class GraphInfo:
     outputs: list[Any]
 
 
-_NOT_AN_OUTPUT = object()
 
-
-class CudaGraphManager:
-    """CUDA graphs for one backend (one CompileConfig): the memory pools, warnings, capture."""
+class CudaGraphManager(GraphCapture):
+    """CUDA graphs for one backend (one CompileConfig): what is captured, the runners, warnings; the
+    shared pool and the capture itself are GraphCapture's (capture.py)."""
 
     def __init__(self, config: CompileConfig):
+        super().__init__()
         self.config = config
         self.mode = config.cudagraph_mode
         self.sizes = tuple(config.cudagraph_capture_sizes)
         self.num_warmup = max(1, config.cudagraph_num_warmup)
         self.check_addresses = config.cudagraph_check_addresses
         # The decode ops left to their default: a call run without a graph has them run their reference
-        # (hops/launch_policy.py: their kernels pay off only where a graph replays the launches).
+        # (kernels/launch_policy.py: their kernels pay off only where a graph replays the launches).
         self.reference_ops = frozenset(op for op in ("decode_attention", "decode_linear") if getattr(config, op) is None)
         self.call_order = CallOrder()  # the graphs share one pool: one call at a time among them
         self.bar_disabled = {True: False, False: True, None: None}[config.progress_bar]
-        self._pools: dict[Any, Any] = {}
-        self._streams: dict[Any, Any] = {}
-        self._output_storages: dict[int, Any] = {}  # storage address -> capture size of the graph writing it
         self._noted: set = set()
         self.groups: list[RunnerGroup] = []  # one per compiled graph, for inspection
         padded_away = [n for n in config.compile_sizes if self.sizes and n < self.sizes[-1] and n not in self.sizes]
@@ -292,72 +287,6 @@ class CudaGraphManager:
                            "or dynamic=None) and pass changing ints as tensors.")
         return reason
 
-    # -- memory and capture ---------------------------------------------------------------------
-
-    def note_outputs(self, outs: list, size) -> None:
-        for o in outs:
-            if isinstance(o, torch.Tensor):
-                self._output_storages[o.untyped_storage().data_ptr()] = size
-
-    def output_view(self, arg: torch.Tensor, size, padded_shape: list[int]) -> torch.Tensor | None:
-        """If arg lives in the output of a graph captured for `size`, the same view of it with the
-        padded shape (what a graph of this size reads), else None."""
-        storage = arg.untyped_storage()
-        if self._output_storages.get(storage.data_ptr(), _NOT_AN_OUTPUT) != size:  # size None: static shapes
-            return None
-        if list(arg.shape) == padded_shape:
-            return arg
-        end = arg.storage_offset() + sum((s - 1) * st for s, st in zip(padded_shape, arg.stride())) + 1
-        if min(padded_shape, default=1) < 1 or end * arg.element_size() > storage.nbytes():
-            return None
-        return arg.as_strided(padded_shape, arg.stride(), arg.storage_offset())
-
-    def capture(self, fn: Callable, args: list, device: torch.device, name: str, size):
-        label = f"{name} at batch size {size}"
-        pool = self._pools.get(device)
-        if pool is None:
-            with torch.cuda.device(device):
-                pool = self._pools[device] = torch.cuda.graph_pool_handle()
-                self._streams[device] = torch.cuda.Stream(device)
-        stream = self._streams[device]
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_reserved(device)
-        start = time.perf_counter()
-        stream.wait_stream(torch.cuda.current_stream(device))
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        rng_state = compat.rng_state_before_capture(index)
-        try:
-            with torch.cuda.device(device), torch.cuda.stream(stream):
-                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-                try:
-                    out = fn(*args)
-                except BaseException:
-                    try:  # end the capture, but report what broke it
-                        graph.capture_end()
-                    except Exception:
-                        pass
-                    raise
-                graph.capture_end()
-        except Exception as e:
-            compat.recover_from_failed_capture(index, pool, rng_state)
-            with torch.cuda.device(device):  # the failed capture's pool id stays taken (see compat)
-                self._pools[device] = torch.cuda.graph_pool_handle()
-            raise CudaGraphCaptureError(
-                f"torch_ext could not capture a CUDA graph of {label}: {type(e).__name__}: {e}\n"
-                "Captured code must stay on the GPU: no .item()/.tolist()/print of tensor values, no CPU "
-                "tensors, no host synchronization. Make such an op a splitting op (it then runs between "
-                "graphs in cudagraph_mode='piecewise'), or use cudagraph_mode='none'.") from e
-        torch.cuda.current_stream(device).wait_stream(stream)
-        elapsed = time.perf_counter() - start
-        grown = torch.cuda.memory_reserved(device) - before
-        cudagraph_stats.captures += 1
-        cudagraph_stats.capture_seconds += elapsed
-        cudagraph_stats.capture_bytes += max(grown, 0)
-        cudagraph_stats.sizes.add(size)
-        log.debug("torch_ext: captured %s in %.1f ms (+%d bytes reserved)", label, elapsed * 1e3, grown)
-        return graph, out
-
 
 
 def _made_by_splitting_op(split_gm: fx.GraphModule, node: fx.Node) -> dict[int, str]:
@@ -392,14 +321,3 @@ def _escaping(split_gm: fx.GraphModule, node: fx.Node) -> set[int]:
             keep.add(user.args[1])
     return keep
 
-
-def capture_sizes(step: Callable[[int], Any], config: CompileConfig) -> None:
-    """Warm up and capture every size of config.cudagraph_capture_sizes by calling step(size)
-    (which runs one forward at that batch size) enough times; largest size first, so the smaller
-    sizes' graphs reuse the pool memory of the larger ones. Shows a tqdm bar."""
-    sizes = sorted(config.cudagraph_capture_sizes, reverse=True)
-    calls = max(1, config.cudagraph_num_warmup) + 1
-    disable = {True: False, False: True, None: None}[config.progress_bar]
-    for size in tqdm.tqdm(sizes, desc="torch_ext capturing CUDA graphs", unit="size", disable=disable):
-        for _ in range(calls):
-            step(size)

@@ -18,7 +18,7 @@ from torch_ext.backend.runtime.cudagraph.padding import (CONST, COPIED, PINNED, 
                                                         locate_batch_size, non_owning, size_at)
 from torch_ext.backend.runtime.cudagraph.plan import NO_GRAPH, Entry, Plan, moved_input
 from torch_ext.backend.runtime.cudagraph.stats import cudagraph_stats
-from torch_ext.hops.launch_policy import launched_from_host
+from torch_ext.kernels.launch_policy import launched_from_host
 
 
 class CudaGraphRunner:

@@ -1,7 +1,7 @@
 """Where a checkpointed training step's time goes: torch.profiler over a few steps per column of
 bench/checkpoint_training.py (same models and flags), top ops by device time and host time.
 
-    python bench/checkpoint_profile.py --device cuda --columns inductor,ext-split [--model hf-llama]
+    python bench/dev/checkpoint_profile.py --device cuda --columns inductor,ext-split [--model hf-llama]
 """
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import argparse
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness, the benchmarks
+sys.path.insert(0, BENCH)
 
 import torch  # noqa: E402
 

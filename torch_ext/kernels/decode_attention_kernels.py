@@ -1,4 +1,4 @@
-"""The Triton kernels of `torch.ops.torch_ext.decode_attention` (hops/decode_attention.py launches them).
+"""The Triton kernels of `torch.ops.torch_ext.decode_attention` (kernels/decode_attention.py launches them).
 
 A module of its own because it imports Triton at its top (the op's module must import without it),
 and the kernels share @triton.jit helpers, which the interpreter (TRITON_INTERPRET=1, the CPU tests)
@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from torch_ext.hops.pdl_kernels import wait_then_release
+from torch_ext.kernels.pdl_kernels import wait_then_release
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """What avoiding torch's region-gradient bug costs (torch_ext/workarounds.py, bug 1), on the CPU.
 
-    python bench/workaround_cost.py [--blocks 8] [--dim 512] [--batch 64] [--steps 20] [--rounds 5]
+    python bench/dev/workaround_cost.py [--blocks 8] [--dim 512] [--batch 64] [--steps 20] [--rounds 5]
 
 A training step (forward + backward) of a chain of residual nested_compile_region blocks, compiled
 with Inductor twice in one process, each compile in a fresh Inductor cache:
@@ -22,10 +22,12 @@ import time
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness, the benchmarks
+sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.join(BENCH, ".."))
 
 import torch_ext  # noqa: E402
-from table import print_table  # noqa: E402
+from harness import print_table  # noqa: E402
 
 
 class Block(nn.Module):

@@ -1,4 +1,4 @@
-"""The CUDA source of decode_linear's path for 2-32 rows (hops/decode_linear_mma.py compiles and launches it):
+"""The CUDA source of decode_linear's path for 2-32 rows (kernels/decode_linear_mma.py compiles and launches it):
 weights streamed into tensor-core fragments from registers.
 
 Why not Triton: at 8 rows every Triton design measured (tl.dot, a tile per row, split-K) tied or lost
@@ -20,7 +20,7 @@ no kernel of the graph writes weights (the rewrite checks), x is read only after
 With a gate (GATE_EPILOGUE: a gated MLP's merged gate/up projection) the epilogue writes
 silu(gate) * up itself: a fragment's rows g and g + 8 are the gate's and the up's weight rows of one
 output feature, so the lane that holds one half holds the other, and no kernel of its own runs the
-product. The rewrite uses it only where hops/decode_linear.py's GATE_EPILOGUE_ROWS says (measured).
+product. The rewrite uses it only where kernels/decode_linear.py's GATE_EPILOGUE_ROWS says (measured).
 
 What the source asks for is not always what runs: with XPF 0 / 1 ptxas issues a round's loads only after
 the previous round's mma (the disassembly shows it; see Stage), which keeps registers few and blocks an
@@ -32,7 +32,7 @@ where x's registers are more than 16 warps can hold.
 Defines set per variant: MT, NT, WARPS, U, NORM, GATED, GATE_EPILOGUE, XPF, XS; DTYPE is replaced by bf16 / f16.
 """
 
-from torch_ext.hops.decode_linear_mma_pipelines import PIPELINES
+from torch_ext.kernels.decode_linear_mma_pipelines import PIPELINES
 
 __all__ = ["KERNEL", "SOURCE", "build_source"]
 
@@ -78,7 +78,7 @@ __device__ __forceinline__ u16 from_float(float f) {
 // silu in float, rounded to 16 bits after: a fast division. An IEEE one calls a slow-path subroutine, and
 // with it the gate epilogue's kernel spills under its 6-blocks-an-SM bound (KERNEL: 176 bytes at 4 warps).
 __device__ __forceinline__ float silu(float h) { return __fdividef(h, 1.f + __expf(-h)); }
-// x's prologue on a pair of 16-bit values, rounding where eager rounds (hops/decode_linear.py:
+// x's prologue on a pair of 16-bit values, rounding where eager rounds (kernels/decode_linear.py:
 // prologue_reference): RMSNorm (times inv_rms, round, times the norm weight, round), then silu(x) * up.
 __device__ __forceinline__ u16 prologue(u16 v, u16 g, u16 up, float inv_rms) {
 #if NORM
@@ -179,7 +179,7 @@ __device__ __forceinline__ void multiply_chunk(float (&acc)[NT][MT][4], const u3
 }
 """
 
-# The kernel itself, after the pipelines (hops/decode_linear_mma_pipelines.py) it runs.
+# The kernel itself, after the pipelines (kernels/decode_linear_mma_pipelines.py) it runs.
 KERNEL = r"""
 // The gate epilogue at 4 warps (gate/up at 17-32 rows) held 82-84 registers, a block an SM fewer than the
 // plain kernel's 6 (its 704 blocks then take two waves): ask ptxas for 6 (80 registers, no spill).

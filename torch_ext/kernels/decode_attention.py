@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from torch_ext.hops.fused_add_rms_norm import has_triton
-from torch_ext.hops.launch_policy import runs_reference
+from torch_ext.kernels.fused_add_rms_norm import has_triton
+from torch_ext.kernels.launch_policy import runs_reference
 
 __all__ = ["decode_attention", "decode_attention_reference", "decode_attention_triton"]
 
 _TARGET_PROGRAMS = 264  # about two waves of an H100's 132 SMs
 # Per kernel: (cache positions per tile, warps, pipeline stages). The best of a sweep over 32/64/128 x
-# 2/4/8 x 1/2/3 on an H200 (`bench/decode_attention_op.py --sweep`, bench/results/decode_attention_sweep*):
+# 2/4/8 x 1/2/3 on an H200 (`bench/dev/decode_attention_op.py --sweep`, bench/results/decode_attention_sweep*):
 # stages 2 or 3 beat Triton's default by up to 10%; the per-head kernel wants small tiles where each row
 # is one program walking its whole cache (21 vs 24 us at 32x16x16x256), large ones where rows split it
 # (37 vs 47 us at 8x16x16x2048).
@@ -105,7 +105,7 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
     else:
         ms, is_bool = (0, 0, 0, 0), False
     partial_kernel, grouped_kernel, combine_kernel = _kernels()
-    from torch_ext.hops.pdl_kernels import has_pdl, launch_options
+    from torch_ext.kernels.pdl_kernels import has_pdl, launch_options
 
     # Launched early behind the kernel before (PDL, Hopper+); each waits for it before reading anything.
     pdl = q.is_cuda and has_pdl(q.device)
@@ -133,6 +133,6 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
 
 def _kernels():
     # Imported here: the kernels' module imports Triton, this one must import without it.
-    from torch_ext.hops import decode_attention_kernels as kernels
+    from torch_ext.kernels import decode_attention_kernels as kernels
 
     return kernels.partial_kernel, kernels.grouped_kernel, kernels.combine_kernel

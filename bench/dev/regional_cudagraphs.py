@@ -1,7 +1,7 @@
 """Regional compilation under CUDA graphs: identical decoder MLP blocks compiled one by one (the
 pattern PyTorch recommends to cut compile time), one decode-sized step through all of them.
 
-    python bench/regional_cudagraphs.py [--layers 16] [--batch 8] [--rounds 3] [--iters 20]
+    python bench/dev/regional_cudagraphs.py [--layers 16] [--batch 8] [--rounds 3] [--iters 20]
 
 Blocks: RMSNorm + gate/up/down MLP, hidden 2048, MLP 5632, bf16 (a Llama layer without attention).
 Columns, ms per step (CUDA events, median of interleaved rounds) and x floor (weight bytes / copy
@@ -23,10 +23,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness, the benchmarks
+sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.dirname(BENCH))
 
-from table import print_table  # noqa: E402
+from harness import print_table  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -77,9 +78,9 @@ def main() -> int:
     parser.add_argument("--columns", default="eager,ro,ext-none,ext-full,ext-full-1")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench/regional_cudagraphs.py needs a CUDA GPU.")
+        print("bench/dev/regional_cudagraphs.py needs a CUDA GPU.")
         return 0
-    from decode import copy_bandwidth
+    from harness import copy_bandwidth
     from torch_ext.backend.runtime.cudagraph.stats import cudagraph_stats
 
     torch.manual_seed(0)

@@ -5,7 +5,7 @@ of torch.compile(backend="eager") after a Dynamo reset — tracing, guards, no c
 median of several runs. On torch < 2.10 torch's own tracing breaks the graph, so its column reports
 the graph count instead.
 
-    python bench/trace_time.py [--layers 32] [--repeats 5]
+    python bench/dev/trace_time.py [--layers 32] [--repeats 5]
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Host cost of a guard-free call, with and without the per-call signature check (CPU; no GPU needed).
 
-    python bench/dispatch_cost.py [--calls 200] [--rounds 200] [--layers 16]
+    python bench/dev/dispatch_cost.py [--calls 200] [--rounds 200] [--layers 16]
 
 Two models compiled by the torch_ext backend (Inductor pieces, disk cache in a temp dir), called at
 batch 4 under torch.no_grad() after their first call (batch dim marked dynamic):
@@ -27,9 +27,11 @@ import time
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness, the benchmarks
+sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.join(BENCH, ".."))
 
-from table import print_table  # noqa: E402
+from harness import print_table  # noqa: E402
 from torch_ext.backend import CompileConfig, make_backend  # noqa: E402
 from torch_ext.backend.dispatch.dispatcher import GuardFreeDispatcher  # noqa: E402
 

@@ -6,7 +6,7 @@ them run norms, rotary, cache writes and attention that leave memory bandwidth i
 right after each projection, prefetches the next projection's weights into L2 (evict_last) while
 the small kernels run; the projection then reads part of its weights from L2.
 
-    python bench/l2_prefetch.py [--batches 1,8] [--cap-mb 4,8,16,32] [--programs 16,32,66]
+    python bench/experiments/l2_prefetch.py [--batches 1,8] [--cap-mb 4,8,16,32] [--programs 16,32,66]
 
 A Llama-shaped stack (16 layers 2048 / 5632, 16 heads of 128, cache 256, bf16): projections through
 cuBLAS (F.linear), the small ops through Inductor (torch.compile, no CUDA graphs), attention through
@@ -23,15 +23,16 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness, the benchmarks
+sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.dirname(BENCH))
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from decode import copy_bandwidth  # noqa: E402
-from graphs import capture, interleaved, ratio_cells  # noqa: E402
-from table import print_table  # noqa: E402
+from harness import copy_bandwidth  # noqa: E402
+from harness import capture, interleaved, ratio_cells  # noqa: E402
+from harness import print_table  # noqa: E402
 
 LAYERS, HIDDEN, MLP, HEADS, HEAD_DIM, CACHE, VOCAB = 16, 2048, 5632, 16, 128, 256, 32000
 DTYPE = torch.bfloat16
@@ -215,7 +216,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--gemv", action="store_true", help="also each projection's kernel cold and L2-warm")
     args = ap.parse_args()
-    import torch_ext.hops.decode_attention  # noqa: F401  (registers the op)
+    import torch_ext.kernels.decode_attention  # noqa: F401  (registers the op)
     bandwidth = copy_bandwidth.value = copy_bandwidth()
     layers, head, norm_w = make_model()
     weight_bytes = sum(t.numel() * 2 for p in layers for t in p.values()) + head.numel() * 2

@@ -34,8 +34,8 @@ def column_experiment(name: str):
     if name in ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-unordered", "ext-no-xsmem", "ext-prologue8", "ext-norm8", "ext-gate", "ext-nogate",
                 "ext-late-launch"):
         import torch_ext.backend.compile.decode_options as options
-        import torch_ext.hops.decode_linear as op
-        import torch_ext.hops.decode_linear_mma as mma
+        import torch_ext.kernels.decode_linear as op
+        import torch_ext.kernels.decode_linear_mma as mma
 
         def config_before_xpf(n, device_index, rows):
             sms = torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -74,7 +74,7 @@ def column_experiment(name: str):
     if not name.startswith("ext-row-"):
         yield
         return
-    import torch_ext.hops.decode_linear as op
+    import torch_ext.kernels.decode_linear as op
 
     config = op.config
     overrides = {}  # ext-row-n<BLOCK_N>-p<PRE_K>-k<BLOCK_K>-w<warps>
@@ -100,7 +100,7 @@ def column_experiment(name: str):
 def _one_split_attention():
     """ext-attn1: decode attention without splitting the cache (one program per head and sequence
     walks it all; no combine launch), while the column compiles and captures."""
-    import torch_ext.hops.decode_attention as op
+    import torch_ext.kernels.decode_attention as op
 
     target = op._TARGET_PROGRAMS
     op._TARGET_PROGRAMS = 1

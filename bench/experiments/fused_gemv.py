@@ -1,6 +1,6 @@
 """Would fusing a decode step's small kernels into its GEMVs pay? An experiment for issue 25, item 5.
 
-    python bench/fused_gemv.py [--rows 1,8,32] [--dtype bf16] [--check]
+    python bench/experiments/fused_gemv.py [--rows 1,8,32] [--dtype bf16] [--check]
 
 A decode step of bench/inference_floor.py's Llama spends ~170 us of 1145 in ~150 small kernels between
 its GEMMs (bench/results/inference_floor_breakdown_h100_torch2.11.log): per layer two RMSNorms
@@ -14,7 +14,7 @@ GEMV that reads their output, so they cost no launch and no round trip through m
 
 Each is timed against what torch_ext runs now, the same function compiled by Inductor (a fused norm
 or pointwise kernel, then cuBLAS), both inside one CUDA graph, back to back, rotating weights past L2
-(bench/skinny_linear.py's harness). Shapes: norm + qkv (6144x2048), norm + gate_up (11264x2048),
+(bench/experiments/skinny_linear.py's harness). Shapes: norm + qkv (6144x2048), norm + gate_up (11264x2048),
 silu_mul + down (2048x5632). --check compares the prototypes with a float64 reference (on the CPU
 under TRITON_INTERPRET=1 too: fp16 for rows > 1, the interpreter's bf16 matrix product is wrong).
 """
@@ -27,7 +27,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness, the benchmarks
+sys.path.insert(0, BENCH)
 
 EPS = 1e-5
 
@@ -148,11 +149,11 @@ def main() -> int:
         print(f"worst relative error {check('cuda' if torch.cuda.is_available() else 'cpu', cases):.1e}")
         return 0
     if not torch.cuda.is_available():
-        print("bench/fused_gemv.py needs a CUDA GPU (or --check under TRITON_INTERPRET=1).")
+        print("bench/experiments/fused_gemv.py needs a CUDA GPU (or --check under TRITON_INTERPRET=1).")
         return 0
-    from decode import copy_bandwidth
+    from harness import copy_bandwidth
     from skinny_linear import ROTATE_BYTES, per_call_us
-    from table import print_table
+    from harness import print_table
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     bandwidth = copy_bandwidth()

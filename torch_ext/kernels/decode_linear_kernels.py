@@ -1,8 +1,8 @@
-"""Triton kernel of torch_ext::decode_linear (hops/decode_linear.py); imported only where it runs.
+"""Triton kernel of torch_ext::decode_linear (kernels/decode_linear.py); imported only where it runs.
 
 A program owns BLOCK_N output features of the one row: it streams those rows of the weight once,
 BLOCK_K columns at a time, reducing in float32. Its first PRE_K columns are loaded before
-`wait_then_release` (hops/pdl_kernels.py): the weights depend on no earlier kernel of the graph, so
+`wait_then_release` (kernels/pdl_kernels.py): the weights depend on no earlier kernel of the graph, so
 under programmatic dependent launch they are in flight while the previous kernel drains; x, the
 bias and the output are touched only after the wait.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from torch_ext.hops.pdl_kernels import wait_then_release
+from torch_ext.kernels.pdl_kernels import wait_then_release
 
 
 @triton.jit

@@ -1,10 +1,40 @@
-"""CUDA-graph timing shared by the kernel benches: capture a callable, time replays in interleaved
-rounds, and the table rows of ratios (to a floor, to a baseline variant)."""
+"""What the bench scripts share: the table they print, GPU timing (CUDA graphs replayed in interleaved
+rounds, ratios to a floor and to a baseline), and the memory-bandwidth floor's denominator.
+
+Every script prints Markdown tables through `print_table`; a ratio "x floor" is a time over the time
+the bytes a step must move take at `copy_bandwidth()` (device-to-device, read + write bytes)."""
 from __future__ import annotations
 
 import statistics
 
 import torch
+
+
+def print_table(header, rows) -> None:
+    """A Markdown table, cells right-aligned."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda cells: "| " + " | ".join(str(c).rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    print(line(header))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print(line(r))
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times)
 
 
 def capture(fn):

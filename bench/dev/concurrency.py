@@ -1,7 +1,7 @@
 """Throughput of one compiled model called from 1, 2, 4, 8 threads (tests/concurrency_models.py:
 4 blocks with SDPA, batch 1..8 at random, every output checked against eager on the thread's input).
 
-    python bench/concurrency.py [--device cuda] [--streams] [--calls 50] [--columns ...]
+    python bench/dev/concurrency.py [--device cuda] [--streams] [--calls 50] [--columns ...]
 
 Columns: eager; torch.compile default and reduce-overhead; torch_ext.compile with
 cudagraph_mode none / piecewise / full / full_and_piecewise (split at SDPA, capture sizes 1..8,
@@ -17,14 +17,15 @@ import os
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness, the benchmarks
+sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.join(BENCH, ".."))
+sys.path.insert(0, os.path.join(BENCH, "..", "tests"))
 
 import torch  # noqa: E402
 
 import concurrency_models as cm  # noqa: E402
-from table import print_table  # noqa: E402
+from harness import print_table  # noqa: E402
 
 COLUMNS = ("eager", "compile", "reduce-overhead", "ext-none", "ext-piecewise", "ext-full", "ext-full_and_piecewise")
 

@@ -1,4 +1,4 @@
-"""The ordered pipelines of decode_linear's CUDA path (x modes 2 and 3; hops/decode_linear_mma_source.py has
+"""The ordered pipelines of decode_linear's CUDA path (x modes 2 and 3; kernels/decode_linear_mma_source.py has
 the helpers they use and the kernel that runs them, and says why they exist): a round's weights in one of
 two register stages used in turn, loaded before the mma they overlap; x in registers beside them (mode 2,
 up to 16 rows) or copied through shared memory by cp.async (mode 3, 17-32 rows, where x's registers are

@@ -1,6 +1,6 @@
 """Would a Triton kernel for skinny linears (a decode step's few rows) beat cuBLAS? An experiment.
 
-    python bench/skinny_linear.py [--rows 1,8,32] [--sweep] [--dtype bf16]
+    python bench/experiments/skinny_linear.py [--rows 1,8,32] [--sweep] [--dtype bf16]
 
 Shapes: the projections of bench/hf_decode.py's Llama with merged q/k/v and gate/up (N x K): qkv
 6144x2048, o 2048x2048, gate_up 11264x2048, down 2048x5632, lm_head 32000x2048. Each call is timed as a
@@ -27,11 +27,12 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness, the benchmarks
+sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.dirname(BENCH))
 
-from decode import copy_bandwidth  # noqa: E402
-from table import print_table  # noqa: E402
+from harness import copy_bandwidth  # noqa: E402
+from harness import print_table  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +153,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench/skinny_linear.py needs a CUDA GPU.")
+        print("bench/experiments/skinny_linear.py needs a CUDA GPU.")
         return 0
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     bandwidth = copy_bandwidth()

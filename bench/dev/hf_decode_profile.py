@@ -1,6 +1,6 @@
 """Where the host time of a piecewise decode step of the HF Llama of bench/hf_decode.py goes.
 
-    python bench/hf_decode_profile.py [--batch 1] [--columns ext-piecewise,ext-full]
+    python bench/dev/hf_decode_profile.py [--batch 1] [--columns ext-piecewise,ext-full]
 
 Per column: host us per step (the GPU kept busy by a queued sleep, so the host never waits) and GPU
 us per step (events, back to back); each step includes hf_decode's position reset (one foreach copy).
@@ -18,7 +18,8 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness, the benchmarks
+sys.path.insert(0, BENCH)
 
 import hf_decode as H  # noqa: E402  (puts the repository on sys.path)
 from decode_profile import gpu_us, host_us  # noqa: E402

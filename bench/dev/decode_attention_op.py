@@ -2,13 +2,13 @@
 read once) against one per query head over the repeated cache (what the kernel did before: the same
 math, each cache byte read `groups` times), and SDPA over HF's repeat_kv.
 
-    python bench/decode_attention_op.py [--shapes 8x16x4x2048,...] [--sweep]
+    python bench/dev/decode_attention_op.py [--shapes 8x16x4x2048,...] [--sweep]
 
 Shapes are batch x heads x kv heads x cache length, head dim 128, bf16, a bool mask over the cache.
 Microseconds per call (CUDA events over replays of a CUDA graph of 48 calls, cycling through copies of
 the cache that together pass any L2), and x floor: the cache bytes (k and v, read once) /
 device-to-device copy bandwidth. --sweep times every (target programs, tile, warps, stages) of each
-shape's kernel against the op's default (hops/decode_attention.py's _TARGET_PROGRAMS and _CONFIG).
+shape's kernel against the op's default (kernels/decode_attention.py's _TARGET_PROGRAMS and _CONFIG).
 """
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness, the benchmarks
+sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.dirname(BENCH))
 
 
 def per_call_us(fns, calls: int = 48, replays: int = 20) -> float:
@@ -53,11 +54,11 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="every tile / warps / stages config of each kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench/decode_attention_op.py needs a CUDA GPU.")
+        print("bench/dev/decode_attention_op.py needs a CUDA GPU.")
         return 0
-    from decode import copy_bandwidth
-    from table import print_table
-    from torch_ext.hops.decode_attention import decode_attention_triton
+    from harness import copy_bandwidth
+    from harness import print_table
+    from torch_ext.kernels.decode_attention import decode_attention_triton
 
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, head dim 128; copy bandwidth "
@@ -101,7 +102,7 @@ def sweep(shape, floor, q, caches, mask, op) -> None:
     """Every (tile, warps, stages) of the kernel this shape runs, against the op's default."""
     import itertools
 
-    from torch_ext.hops import decode_attention as module
+    from torch_ext.kernels import decode_attention as module
 
     kind = module.config_kind(q.shape[0], q.shape[1], caches[0][0].shape[1])
     default = module._CONFIG[kind]

@@ -1,6 +1,6 @@
 """Host cost of calling a splitting op, by how it is declared (CPU; no GPU needed).
 
-    python bench/splitting_op_cost.py [--calls 20000] [--rounds 5]
+    python bench/dev/splitting_op_cost.py [--calls 20000] [--rounds 5]
 
 Under piecewise CUDA graphs every splitting op runs eagerly on every step (16 calls per step for a
 16-layer decoder), so what the dispatcher adds per call is paid on the host each step. Peers, all
@@ -24,9 +24,11 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness, the benchmarks
+sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.join(BENCH, ".."))
 
-from table import print_table  # noqa: E402
+from harness import print_table  # noqa: E402
 from torch_ext.backend.runtime.direct_call import direct_caller  # noqa: E402
 from torch_ext.hops.splitting_op import splitting_op  # noqa: E402
 

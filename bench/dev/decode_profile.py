@@ -2,7 +2,7 @@
 ext-piecewise: host (CPU) cost per step and per component, GPU time of the captured graphs, and the
 kernels each variant runs.
 
-    python bench/decode_profile.py [--batches 1,128] [--layers 16] [--attention triton]
+    python bench/dev/decode_profile.py [--batches 1,128] [--layers 16] [--attention triton]
 
 Host cost: the GPU is kept busy by a queued sleep kernel while the host issues a few steps, so the
 host never waits on the GPU; host time per step is then what the CPU spends issuing it.
@@ -22,8 +22,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness, the benchmarks
+sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.join(BENCH, ".."))
 
 import decode as D  # noqa: E402
 
@@ -92,7 +93,7 @@ def main() -> int:
     parser.add_argument("--attention", default=D.attention_impl, choices=D.ATTENTION)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench/decode_profile.py needs a CUDA GPU")
+        print("bench/dev/decode_profile.py needs a CUDA GPU")
         return 0
     D.set_attention(args.attention)
     D.define_attention()

@@ -22,12 +22,12 @@ round trips of its norms, its gate and its residual adds (at 2..MAX_ROWS rows it
 Why: at one row a projection is a GEMV whose kernel is short (2-18 us) and pays a ramp and a tail
 each time; cuBLAS's GEMVs ran a chain of Llama-shaped projections at 1.64x the bytes' floor on an
 H200, this kernel at 1.38x, and 1.26x when it loads its weights before the previous kernel is done
-(bench/pdl_gemv.py, bench/results/pdl_gemv_*). The rewrite that puts the op in place of linear is
+(bench/experiments/pdl_gemv.py, bench/results/pdl_gemv_*). The rewrite that puts the op in place of linear is
 torch_ext/backend/rewrite/decode_linear.py.
 
 CUDA runs, at one row, the Triton kernel where it takes the shapes (a contiguous weight, K a multiple of
 64, a float dtype shared by x, weight and bias); at 2..MAX_ROWS rows of float16 / bfloat16, the CUDA
-path of hops/decode_linear_mma.py (tensor cores, the same fused parts) where it takes them; everything
+path of kernels/decode_linear_mma.py (tensor cores, the same fused parts) where it takes them; everything
 else runs F.linear.
 """
 from __future__ import annotations
@@ -36,16 +36,16 @@ import functools
 
 import torch
 
-from torch_ext.hops import decode_linear_mma as mma  # its functions looked up per call: tests wrap them
-from torch_ext.hops.fused_add_rms_norm import has_triton
-from torch_ext.hops.launch_policy import runs_reference
+from torch_ext.kernels import decode_linear_mma as mma  # its functions looked up per call: tests wrap them
+from torch_ext.kernels.fused_add_rms_norm import has_triton
+from torch_ext.kernels.launch_policy import runs_reference
 
 __all__ = ["GATE_PROLOGUE_MAX_ROWS", "MAX_ROWS", "NORM_PROLOGUE_MAX_ROWS", "decode_linear", "decode_linear_reference", "decode_linear_triton",
            "kernel_takes", "prologue_reference", "serves", "serves_gate", "serves_prologue"]
 
 # Rows (batch x tokens) the op runs a kernel of its own for; more run F.linear. One row: the Triton kernel
-# (hops/decode_linear_kernels.py), any float dtype. 2..MAX_ROWS rows, 16-bit: the CUDA path
-# (hops/decode_linear_mma.py). H100, a chain of Llama projections (bench/decode_linear_op.py): one row
+# (kernels/decode_linear_kernels.py), any float dtype. 2..MAX_ROWS rows, 16-bit: the CUDA path
+# (kernels/decode_linear_mma.py). H100, a chain of Llama projections (bench/dev/decode_linear_op.py): one row
 # 0.83x cuBLAS's time; the CUDA path, its x loaded a round ahead and its config by shape and rows, 0.82x
 # at 8 rows, 0.84x at 16, 0.92x at 32 (summed over chains of one projection each; before x was loaded
 # ahead: 0.91x, 1.04x, 1.28x, when MAX_ROWS was 8; bench/results/decode_linear_xpf_h100_torch2.11.log; the ordered
@@ -101,7 +101,7 @@ def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=No
         return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual, gate)
     if not (has_triton() and kernel_takes(x, weight, bias, norm_weight, up, residual)):
         return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual)
-    from torch_ext.hops.pdl_kernels import has_pdl
+    from torch_ext.kernels.pdl_kernels import has_pdl
 
     return decode_linear_triton(x, weight, bias, prefetch and has_pdl(x.device), norm_weight=norm_weight, eps=eps,
                                 up=up, residual=residual)
@@ -176,7 +176,7 @@ def kernel_takes(x, weight, bias, norm_weight=None, up=None, residual=None) -> b
 @functools.lru_cache(maxsize=None)
 def config(k: int) -> dict:
     """Launch config: 4 features x 512 columns a tile, the first 2048 loaded before the wait, 4 warps.
-    bench/pdl_gemv.py's sweep of plain GEMVs (H200) picked 2 features; with the norm and gate fused,
+    bench/experiments/pdl_gemv.py's sweep of plain GEMVs (H200) picked 2 features; with the norm and gate fused,
     every program computes its prologue over the whole row, and 4 features halve that work: HF Llama
     batch 1 on an H100 0.861 ms against 0.910 (8 features 0.955, 8 with 8 warps 0.894,
     bench/results/inference_floor_row_tile_h100_torch2.11.log). Cached: the caller copies it."""
@@ -191,8 +191,8 @@ def decode_linear_triton(x, weight, bias, pdl: bool, overrides: dict | None = No
     tests); overrides (launch config entries) replace the kernel's choice (bench/inference_floor.py)."""
     import triton
 
-    from torch_ext.hops.decode_linear_kernels import decode_linear_kernel
-    from torch_ext.hops.pdl_kernels import launch_options
+    from torch_ext.kernels.decode_linear_kernels import decode_linear_kernel
+    from torch_ext.kernels.pdl_kernels import launch_options
 
     n, k = weight.shape
     x2 = x.reshape(-1, k)

@@ -1,12 +1,12 @@
 """torch_ext::decode_linear's kernel paths against cuBLAS, on a chain of Llama-shaped projections.
 
-    python bench/decode_linear_op.py [--rows 1,2,4,8] [--layers 16] [--shapes qkv,o] [--paths row,mma]
+    python bench/dev/decode_linear_op.py [--rows 1,2,4,8] [--layers 16] [--shapes qkv,o] [--paths row,mma]
                                      [--mma-configs 1x16x2,1x8x1] [--mlp]
 
 A chain of qkv 6144x2048 -> o 2048x2048 -> gate_up 11264x2048 -> down 2048x5632, bf16, `rows` rows
 (each reading a fixed input: a kernel waits for the one before it all the same), in one CUDA graph: cuBLAS (torch.mm),
 and the op's kernels ("row": the Triton GEMV, one row only; "mma": the CUDA path for a few rows,
-hops/decode_linear_mma.py),
+kernels/decode_linear_mma.py),
 with and without programmatic dependent launch. ms per chain (median of interleaved rounds), x floor
 (weight bytes / copy bandwidth), x cuBLAS, and the relative error of one projection against float64.
 --mlp: a chain of gated MLPs instead, each reading the one before (h = h + down(silu(gate) * up) of
@@ -21,15 +21,16 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness, the benchmarks
+sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.dirname(BENCH))
 
-from decode import copy_bandwidth  # noqa: E402
-from graphs import capture, interleaved, ratio_cells  # noqa: E402
-from table import print_table  # noqa: E402
+from harness import copy_bandwidth  # noqa: E402
+from harness import capture, interleaved, ratio_cells  # noqa: E402
+from harness import print_table  # noqa: E402
 
-from torch_ext.hops.decode_linear import decode_linear_triton  # noqa: E402
-from torch_ext.hops.decode_linear_mma import decode_linear_mma, variant_attributes  # noqa: E402
+from torch_ext.kernels.decode_linear import decode_linear_triton  # noqa: E402
+from torch_ext.kernels.decode_linear_mma import decode_linear_mma, variant_attributes  # noqa: E402
 
 SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
           "lm_head": (32000, 2048)}  # (out, in); the default chain leaves lm_head out

@@ -8,7 +8,7 @@ output the op allocates itself must be copied into the next graph's static buffe
 allocated by the piece before lives in that graph's memory and is read in place (the shape of
 vLLM's unified_attention_with_output).
 
-    python bench/decode_attention.py     checks the kernel against SDPA (TRITON_INTERPRET=1 on a CPU)
+    python bench/dev/decode_attention.py     checks the kernel against SDPA (TRITON_INTERPRET=1 on a CPU)
 """
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def _workspace(device: torch.device, rows: int, part: int, counters: int):
 @functools.lru_cache(maxsize=None)
 def launch_config(batch: int, heads: int, context: int, device: torch.device) -> dict:
     """Splits of the context per (sequence, head), positions per block, warps, pipeline stages.
-    Measured on an H200 (`python bench/decode_attention.py --tune`, 16 heads of 128, context 256):
+    Measured on an H200 (`python bench/dev/decode_attention.py --tune`, 16 heads of 128, context 256):
     split until the programs about fill the SMs (batch 1: 4.2 us against SDPA's 8.9); a GPU
     barely filled by (sequence, head) programs alone wants eight warps per program, more loads
     in flight (batch 8: 6.2 us, SDPA 9.8); a full GPU wants two warps over 16 positions with

@@ -1,12 +1,12 @@
 """Can a decode step's projections overlap across kernel boundaries?
 
 A projection at batch 1 is a GEMV whose kernel pays a ramp (the first loads' latency: at ~4 TB/s and
-~0.7 us, ~3 MB must be in flight) and a tail each time; `bench/l2_prefetch.py` found a 2048x2048
+~0.7 us, ~3 MB must be in flight) and a tail each time; `bench/experiments/l2_prefetch.py` found a 2048x2048
 GEMV at 3.5x its bytes even with its weights in L2. Programmatic dependent launch (PDL) lets the next
 kernel start while this one runs: its programs load their first weight tiles (which depend on
 nothing) and only then wait for the previous kernel (`griddepcontrol.wait`) to read its input.
 
-    python bench/pdl_gemv.py [--layers 16] [--pre-k 0,512,1024]
+    python bench/experiments/pdl_gemv.py [--layers 16] [--pre-k 0,512,1024]
 
 A chain of Llama-shaped projections (qkv 6144x2048 -> o 2048x2048 -> gate_up 11264x2048 ->
 down 2048x5632, each reading the previous output's first columns), bf16, one row, captured in one
@@ -24,11 +24,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness, the benchmarks
+sys.path.insert(0, BENCH)
 
-from decode import copy_bandwidth  # noqa: E402
-from graphs import capture, interleaved, ratio_cells  # noqa: E402
-from table import print_table  # noqa: E402
+from harness import copy_bandwidth  # noqa: E402
+from harness import capture, interleaved, ratio_cells  # noqa: E402
+from harness import print_table  # noqa: E402
 
 SHAPES = [(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]  # (out, in) of qkv, o, gate_up, down
 

@@ -1,4 +1,4 @@
-"""Launching a CUfunction (an NVRTC-compiled kernel of ours, hops/decode_linear_mma.py) with the driver's
+"""Launching a CUfunction (an NVRTC-compiled kernel of ours, kernels/decode_linear_mma.py) with the driver's
 cuLaunchKernelEx through ctypes: torch.cuda._compile_kernel's own launcher calls cuLaunchKernel, which
 takes no launch attributes, and programmatic dependent launch (PDL) is one. A CUDA graph capture records
 a launch with that attribute as a programmatic edge, as it does Triton's launches with launch_pdl."""

@@ -1,6 +1,6 @@
 """decode_linear's CUDA path for 2-32 rows: compiled on first use, launched with PDL.
 
-The kernel (hops/decode_linear_mma_source.py, where its design is described) streams each lane's weight
+The kernel (kernels/decode_linear_mma_source.py, where its design is described) streams each lane's weight
 rows straight into `mma.sync` fragments. Here: which tensors it takes (`mma_takes`), its launch config
 by shape and rows (`default_config`), and the call. Compiled with NVRTC (torch.cuda._compile_kernel) on
 first use per (device, dtype, config); launched with cuLaunchKernelEx so that CUDA graph capture records
@@ -14,8 +14,8 @@ import warnings
 
 import torch
 
-from torch_ext.hops.cuda_launch import driver, launch
-from torch_ext.hops.decode_linear_mma_source import build_source
+from torch_ext.kernels.cuda_launch import driver, launch
+from torch_ext.kernels.decode_linear_mma_source import build_source
 
 __all__ = ["MMA_MAX_ROWS", "decode_linear_mma", "default_config", "gate_fits", "mma_takes", "variant_attributes"]
 
@@ -27,7 +27,7 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 def default_config(n: int, device_index: int, rows: int) -> tuple[int, int, int, int]:
     """(features a block / 16, warps, chunks in flight per warp, x mode: 1 x loaded a round ahead, 2 the
     ordered pipeline, 3 the same with x through shared memory). H100, chains of 16 of one Llama
-    projection (bench/decode_linear_op.py --shapes, bench/results/decode_linear_modes_h100_torch2.11.log,
+    projection (bench/dev/decode_linear_op.py --shapes, bench/results/decode_linear_modes_h100_torch2.11.log,
     decode_linear_x_smem_h100_torch2.11.log), x the time of the config before:
     - where the blocks fit the SMs about once (o, down: N = 2048, 128 blocks), 16 warps; up to 16 rows
       the ordered pipeline (o 0.90x / down 0.87x at 16 rows, 0.90x / 0.89x at 8), above that with x
@@ -77,7 +77,7 @@ def mma_takes(x: torch.Tensor, weight: torch.Tensor, bias=None, norm_weight=None
 
 def gate_fits(gate, n: int) -> bool:
     """gate is [gate_start, up_start, width] naming two slices inside a projection's n outputs (the op's
-    reference and fake check it too: hops/decode_linear.py)."""
+    reference and fake check it too: kernels/decode_linear.py)."""
     return len(gate) == 3 and gate[2] > 0 and all(0 <= start and start + gate[2] <= n for start in gate[:2])
 
 
@@ -92,9 +92,9 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *, norm_weight=None, eps: float = 0.0,
                       up=None, residual=None, gate=None, config: tuple[int, ...] | None = None) -> torch.Tensor:
-    """decode_linear (hops/decode_linear.py: the prologue, F.linear, the gate, the residual add) for the
+    """decode_linear (kernels/decode_linear.py: the prologue, F.linear, the gate, the residual add) for the
     tensors mma_takes accepts; config (features a block / 16, warps, chunks in flight per warp) replaces
-    the default (bench/decode_linear_op.py), a fourth entry the x mode (_full). With a gate
+    the default (bench/dev/decode_linear_op.py), a fourth entry the x mode (_full). With a gate
     a block computes 8 x MT outputs from 16 x MT weight rows: as many blocks as the whole projection
     (2 x width rows) takes without it."""
     n, k = weight.shape
@@ -124,7 +124,7 @@ def decode_linear_mma(x: torch.Tensor, weight: torch.Tensor, bias, pdl: bool, *,
 def _full(config: tuple[int, ...]) -> tuple[int, int, int, int]:
     """(features a block / 16, warps, chunks in flight, x mode): the last optional. x mode 0 loads x
     just before the mma, 1 a round ahead, 2 runs the ordered pipeline, 3 the same with x through shared
-    memory (hops/decode_linear_mma_pipelines.py)."""
+    memory (kernels/decode_linear_mma_pipelines.py)."""
     mt, warps, unroll, *rest = config
     mode = int(rest[0]) if rest else 0
     if mode not in (0, 1, 2, 3):  # the source knows no other: it would compile as mode 1 without a word
@@ -139,7 +139,7 @@ X_SLOTS = 2
 
 def _shared_bytes(mt: int, nt: int, warps: int, unroll: int, mode: int) -> int:
     """A variant's shared memory, dynamic and static: x's slots, the warps' partial sums, the norm's
-    1 / rms (hops/decode_linear_mma_source.py)."""
+    1 / rms (kernels/decode_linear_mma_source.py)."""
     return x_shared_bytes(mt, nt, warps, unroll, mode) + warps * nt * mt * 4 * 32 * 4 + nt * 8 * 4
 
 
@@ -165,7 +165,7 @@ def _variant(index: int, dtype: torch.dtype, n: int, rows: int, config, norm_wei
 
 def variant_attributes(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...] | None = None) -> dict:
     """Registers a thread and blocks an SM of the kernel that would serve F.linear(x, weight)
-    (bench/decode_linear_op.py prints them beside the times)."""
+    (bench/dev/decode_linear_op.py prints them beside the times)."""
     index = _index(x.device)
     func, (mt, warps, unroll, mode) = _variant(index, x.dtype, weight.shape[0], x.numel() // x.shape[-1], config, None,
                                                None, None)
