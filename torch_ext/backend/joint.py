@@ -37,7 +37,7 @@ from torch_ext.backend.split.splitter import all_calls, is_trivial, split_graph
 
 log = logging.getLogger("torch_ext.backend")
 
-_RNG_STATE_HOPS = ("run_and_save_rng_state", "run_with_rng_state")
+_RNG_STATE_HOPS = ("run_and_save_rng_state", "run_with_rng_state", "graphsafe_run_with_rng_state")
 
 
 def _decomposes(op: Any) -> bool:
