@@ -1,4 +1,11 @@
-"""The part every wrap-semantics HOP VariableTracker shares: trace the body, install it, call it."""
+"""The part every wrap-semantics HOP VariableTracker shares: torch's own tracing first, then ours.
+
+Under install(), a HOP call is first traced by torch's own VT (the class ours derives from): where
+torch compiles a program, it compiles it exactly as torch does (same graph, same side-effect
+handling, same subgraph reuse). Where torch refuses it, the frame is traced again (a Dynamo restart,
+so nothing the refused attempt did survives) and at this call torch_ext's wrap-semantics tracing
+runs instead. Calls torch is known to get wrong (`torch_gets_wrong`) skip torch's attempt.
+"""
 from __future__ import annotations
 
 import torch
@@ -12,15 +19,42 @@ class WrapSemanticsMixin:
     """Mixed into subclasses of torch's own HOP VTs, whose subgraph installation (naming, and
     deduplication for invoke_subgraph) we keep; only speculation and the call are ours."""
 
-    supports_input_mutation = True
-    supports_aliasing = True
+    # How our own tracing constrains the body (torch's VT reads its own supports_* attributes).
+    body_supports_input_mutation = True
+    body_supports_aliasing = True
+    try_torch_first = True
 
     def body_options(self, tx) -> BodyOptions:
         return BodyOptions(
             hop_name=self.value.__name__,
-            supports_input_mutation=self.supports_input_mutation,
-            supports_aliasing=self.supports_aliasing,
+            supports_input_mutation=self.body_supports_input_mutation,
+            supports_aliasing=self.body_supports_aliasing,
         )
+
+    def torch_gets_wrong(self, tx, args, kwargs) -> bool:
+        """Calls torch's own VT traces without complaint but wrongly (a known torch bug)."""
+        return False
+
+    def call_torch_vt(self, tx, args, kwargs):
+        return super()._call_function(tx, args, kwargs)
+
+    def _call_function(self, tx, args, kwargs):
+        if self.try_torch_first and not self.torch_gets_wrong(tx, args, kwargs):
+            entry = compat.speculation_entry(tx)
+            if not compat.took_own_path(entry):
+                try:
+                    return self.call_torch_vt(tx, args, kwargs)
+                except Exception as refusal:
+                    if not compat.is_torch_refusal(refusal):
+                        raise
+                    first_line = str(refusal).strip().splitlines()[0] if str(refusal).strip() else ""
+                    compat.restart_taking_own_path(
+                        tx, entry, f"torch_ext: torch refused {self.value.__name__} ({first_line}); "
+                        "tracing it with wrap semantics")
+        return self.call_with_wrap_semantics(tx, args, kwargs)
+
+    def call_with_wrap_semantics(self, tx, args, kwargs):
+        raise NotImplementedError
 
     def trace_body(self, tx, fn_vt, args, kwargs, *, subgraph_name: str):
         """Speculate the body and install it as a submodule; returns (spec, body_gmod, body_name,

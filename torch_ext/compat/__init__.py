@@ -3,7 +3,7 @@
 No other module branches on the torch version: they import the Dynamo internals they need from here.
 
 One module per concern: versions (which torch, known bugs), dynamo (tracing internals), runtime
-(CUDA graphs, custom ops), aot (AOT compile), inductor (its per-process keys). Callers use
+(CUDA graphs, custom ops), aot (AOT compile), inductor (its per-process keys), speculation (restarts). Callers use
 `torch_ext.compat.<name>`.
 """
 from torch_ext.compat.versions import *  # noqa: F401,F403  (checks the version first)
@@ -12,4 +12,5 @@ from torch_ext.compat.dynamo import *  # noqa: F401,F403
 from torch_ext.compat.runtime import *  # noqa: F401,F403
 from torch_ext.compat.aot import *  # noqa: F401,F403
 from torch_ext.compat.inductor import *  # noqa: F401,F403
+from torch_ext.compat.speculation import *  # noqa: F401,F403
 from torch_ext.compat import versions  # noqa: F401  (tests patch the running release there)
