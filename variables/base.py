@@ -15,6 +15,17 @@ from torch_ext import compat
 from .speculate import BodyOptions, Speculation, speculate
 
 
+# HOP name -> the VariableTracker class torch's own table held before install() (BASE_HOP: its fallback
+# for BaseHOPs). install() fills it and uninstall() empties it.
+BASE_HOP = "<BaseHOP>"
+_torch_vts: dict[str, type] = {}
+
+
+def remember_torch_vts(classes: dict[str, type]) -> None:
+    _torch_vts.clear()
+    _torch_vts.update(classes)
+
+
 class WrapSemanticsMixin:
     """Mixed into subclasses of torch's own HOP VTs, whose subgraph installation (naming, and
     deduplication for invoke_subgraph) we keep; only speculation and the call are ours."""
@@ -35,11 +46,18 @@ class WrapSemanticsMixin:
         """Calls torch's own VT traces without complaint but wrongly (a known torch bug)."""
         return False
 
+    def torch_vt(self):
+        """torch's own VT for this HOP (the class its table held before install()), or None."""
+        cls = _torch_vts.get(self.value.__name__) or _torch_vts.get(BASE_HOP if self.is_base_hop else "")
+        return cls(self.value, self.source) if cls is not None else None
+
+    is_base_hop = False
+
     def call_torch_vt(self, tx, args, kwargs):
-        return super()._call_function(tx, args, kwargs)
+        return self.torch_vt()._call_function(tx, args, kwargs)
 
     def _call_function(self, tx, args, kwargs):
-        if self.try_torch_first and not self.torch_gets_wrong(tx, args, kwargs):
+        if self.try_torch_first and self.torch_vt() is not None and not self.torch_gets_wrong(tx, args, kwargs):
             entry = compat.speculation_entry(tx)
             if not compat.took_own_path(entry):
                 try:

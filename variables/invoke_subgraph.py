@@ -27,18 +27,32 @@ def _bound_per_instance(fn_vt) -> bool:
     return False
 
 
+def _inside_a_region(tx) -> bool:
+    """Traced inside another invoke_subgraph body (at any depth)."""
+    tracer = tx.output.current_tracer
+    while tracer.parent is not None:
+        if getattr(tracer, "source_target", None) is torch._higher_order_ops.invoke_subgraph:
+            return True
+        tracer = tracer.parent
+    return False
+
+
 class InvokeSubgraphVariable(WrapSemanticsMixin, compat.InvokeSubgraphHigherOrderVariable):
     body_supports_input_mutation = True
     body_supports_aliasing = False
 
     def torch_gets_wrong(self, tx, args, kwargs) -> bool:
-        if compat.NESTED_REGION_FAILS_AOT and tx.output.current_tracer.parent is not None:
+        if compat.NESTED_REGION_FAILS_AOT and _inside_a_region(tx):
             return True
         return compat.REGION_REUSE_BINDS_FIRST_INSTANCE and _bound_per_instance(args[0])
 
     def body_options(self, tx):
         opts = super().body_options(tx)
-        return type(opts)(**{**opts.__dict__, "symint_outputs": compat.INVOKE_SUBGRAPH_RETURNS_SYMINTS})
+        # A region's body runs once per call, so what it stores into the caller's lists, dicts, objects,
+        # cells and globals is replayed by Dynamo after the graph, as torch 2.15 does for regions;
+        # the tensors stored become outputs of the call.
+        return type(opts)(**{**opts.__dict__, "symint_outputs": compat.INVOKE_SUBGRAPH_RETURNS_SYMINTS,
+                             "allow_side_effects": True})
 
     @compat.hard_error_on_graph_break(
         reason="torch.compile requires the `nested_compile_region` decorated function to be "

@@ -73,7 +73,7 @@ class LocalMapVariable(WrapSemanticsMixin, compat.LocalMapHigherOrderVariableBas
 
     def call_with_wrap_semantics(self, tx, args, kwargs):
         if compat.torch_local_map_autoparallel_enabled():
-            return self.call_torch_vt(tx, args, kwargs)  # torch's own Autoparallel tracing
+            return super(WrapSemanticsMixin, self)._call_function(tx, args, kwargs)  # torch's own Autoparallel tracing
         # A direct `local_map_hop(body_gm, *operands)` call passes a GraphModule, not local_map's
         # six leading arguments.
         if len(args) < len(_LOCAL_MAP_ARGS) or isinstance(getattr(args[0], "value", None), torch.fx.GraphModule):

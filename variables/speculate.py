@@ -51,7 +51,7 @@ class BodyOptions:
     supports_aliasing: bool = True
     symint_outputs: bool = True  # the HOP can return SymInts (torch 2.9.1's invoke_subgraph cannot)
     checkpoint: bool = False  # body of an activation checkpoint
-    allow_side_effects: bool = False  # body may mutate outer Python state (checkpoint opt-in)
+    allow_side_effects: bool = False  # body may mutate outer Python state (regions; checkpoint opt-in)
 
 
 def _is_graph_value(vt) -> bool:
@@ -282,11 +282,12 @@ def speculate(tx, source_target, fn_vt, args: list, kwargs: dict, opts: BodyOpti
         # Side effects are not rolled back: objects the body creates keep their attributes for the code
         # after the call. Mutations of outer objects are refused by Dynamo's scope check unless the
         # checkpoint side-effect opt-in is on.
-        body_ctx = (
-            compat.checkpoint_body_context(tx, opts.allow_side_effects)
-            if opts.checkpoint
-            else contextlib.nullcontext()
-        )
+        if opts.checkpoint:
+            body_ctx = compat.checkpoint_body_context(tx, opts.allow_side_effects)
+        elif opts.allow_side_effects:
+            body_ctx = compat.allow_outer_side_effects(tx)
+        else:
+            body_ctx = contextlib.nullcontext()
         with body_ctx, compat.defer_outer_mutation_checks(tx):
             output = fn_vt.call_function(tx, list(args), dict(kwargs))
 

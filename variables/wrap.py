@@ -45,6 +45,7 @@ class BaseHOPVariable(WrapSemanticsMixin, compat.BaseHOPVariable):
 
     body_supports_input_mutation = False
     body_supports_aliasing = False
+    is_base_hop = True
 
     def body_options(self, tx):
         opts = super().body_options(tx)
