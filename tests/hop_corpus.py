@@ -122,17 +122,29 @@ def region_attr_on_passed_object(x):
     return out + box.value
 
 
-def region_nonlocal(x):
-    total = x
+def _nonlocal_region():
+    total = None
+
+    def reset(t):
+        nonlocal total
+        total = t
 
     @region
     def body(t):
-        nonlocal total
+        nonlocal total  # a cell of the enclosing function, not of the body
         total = total + t.sin()
         return t.cos()
 
-    out = body(x)
-    return out, total
+    return reset, body, lambda: total
+
+
+_nl_reset, _nl_body, _nl_read = _nonlocal_region()
+
+
+def region_nonlocal(x):
+    _nl_reset(x * 2)
+    out = _nl_body(x)
+    return out, _nl_read()
 
 
 @region

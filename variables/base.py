@@ -9,6 +9,10 @@ runs instead. Calls torch is known to get wrong (`torch_gets_wrong`) skip torch'
 from __future__ import annotations
 
 import torch
+from torch._dynamo.variables.constant import ConstantVariable
+from torch._dynamo.variables.dicts import ConstDictVariable
+from torch._dynamo.variables.lists import BaseListVariable
+from torch._dynamo.variables.tensor import SymNodeVariable, TensorVariable
 
 from torch_ext import compat
 
@@ -24,6 +28,17 @@ _torch_vts: dict[str, type] = {}
 def remember_torch_vts(classes: dict[str, type]) -> None:
     _torch_vts.clear()
     _torch_vts.update(classes)
+
+
+def _plain(vt) -> bool:
+    """Tensors, SymInts, constants, and tuples, lists and dicts of them."""
+    if isinstance(vt, (TensorVariable, SymNodeVariable, ConstantVariable)):
+        return True
+    if isinstance(vt, BaseListVariable):
+        return all(_plain(item) for item in vt.items)
+    if isinstance(vt, ConstDictVariable):
+        return all(_plain(value) for value in vt.items.values())
+    return False
 
 
 class WrapSemanticsMixin:
@@ -61,7 +76,7 @@ class WrapSemanticsMixin:
             entry = compat.speculation_entry(tx)
             if not compat.took_own_path(entry):
                 try:
-                    return self.call_torch_vt(tx, args, kwargs)
+                    result = self.call_torch_vt(tx, args, kwargs)
                 except Exception as refusal:
                     if not compat.is_torch_refusal(refusal):
                         raise
@@ -69,6 +84,11 @@ class WrapSemanticsMixin:
                     compat.restart_taking_own_path(
                         tx, entry, f"torch_ext: torch refused {self.value.__name__} ({first_line}); "
                         "tracing it with wrap semantics")
+                if not compat.TORCH_WRAP_SEMANTICS_UNRELIABLE or _plain(result):
+                    return result
+                compat.restart_taking_own_path(
+                    tx, entry, f"torch_ext: {self.value.__name__} returns {type(result).__name__}, which this "
+                    "torch's own wrap semantics gets wrong; tracing it with torch_ext's")
         return self.call_with_wrap_semantics(tx, args, kwargs)
 
     def call_with_wrap_semantics(self, tx, args, kwargs):
