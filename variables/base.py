@@ -41,6 +41,19 @@ def _plain(vt) -> bool:
     return False
 
 
+def _reads_item(tx, installed_before: set) -> bool:
+    """Whether a body torch just installed calls `.item()` (at any depth)."""
+    for name in set(tx.output.nn_modules) - installed_before:
+        body = tx.output.nn_modules[name]
+        if isinstance(body, torch.fx.GraphModule) and any(
+            node.op == "call_method" and node.target == "item"
+            for module in body.modules() if isinstance(module, torch.fx.GraphModule)
+            for node in module.graph.nodes
+        ):
+            return True
+    return False
+
+
 class WrapSemanticsMixin:
     """Mixed into subclasses of torch's own HOP VTs, whose subgraph installation (naming, and
     deduplication for invoke_subgraph) we keep; only speculation and the call are ours."""
@@ -58,8 +71,9 @@ class WrapSemanticsMixin:
         )
 
     def torch_gets_wrong(self, tx, args, kwargs) -> bool:
-        """Calls torch's own VT traces without complaint but wrongly (a known torch bug)."""
-        return False
+        """Calls torch's own VT traces without complaint but wrongly (a known torch bug); every HOP
+        while floats are being specialized (their reads inside bodies are only ours to replace)."""
+        return compat.floats_being_specialized()
 
     def torch_vt(self):
         """torch's own VT for this HOP (the class its table held before install()), or None."""
@@ -72,24 +86,36 @@ class WrapSemanticsMixin:
         return self.torch_vt()._call_function(tx, args, kwargs)
 
     def _call_function(self, tx, args, kwargs):
-        if self.try_torch_first and self.torch_vt() is not None and not self.torch_gets_wrong(tx, args, kwargs):
-            entry = compat.speculation_entry(tx)
-            if not compat.took_own_path(entry):
-                try:
-                    result = self.call_torch_vt(tx, args, kwargs)
-                except Exception as refusal:
-                    if not compat.is_torch_refusal(refusal):
-                        raise
-                    first_line = str(refusal).strip().splitlines()[0] if str(refusal).strip() else ""
-                    compat.restart_taking_own_path(
-                        tx, entry, f"torch_ext: torch refused {self.value.__name__} ({first_line}); "
-                        "tracing it with wrap semantics")
-                if not compat.TORCH_WRAP_SEMANTICS_UNRELIABLE or _plain(result):
-                    return result
-                compat.restart_taking_own_path(
-                    tx, entry, f"torch_ext: {self.value.__name__} returns {type(result).__name__}, which this "
-                    "torch's own wrap semantics gets wrong; tracing it with torch_ext's")
+        # The speculation entry is taken on every attempt, whichever path runs, so the log stays aligned.
+        entry = compat.speculation_entry(tx) if self.try_torch_first and self.torch_vt() is not None else None
+        if entry is not None and not compat.took_own_path(entry):
+            if self.torch_gets_wrong(tx, args, kwargs):
+                compat.take_own_path(tx, entry)
+            else:
+                return self._torch_first(tx, args, kwargs, entry)
         return self.call_with_wrap_semantics(tx, args, kwargs)
+
+    def _torch_first(self, tx, args, kwargs, entry):
+        installed_before = set(tx.output.nn_modules)
+        try:
+            result = self.call_torch_vt(tx, args, kwargs)
+        except Exception as refusal:
+            if not compat.is_torch_refusal(refusal):
+                raise
+            first_line = str(refusal).strip().splitlines()[0] if str(refusal).strip() else ""
+            compat.restart_taking_own_path(
+                tx, entry, f"torch_ext: torch refused {self.value.__name__} ({first_line}); "
+                "tracing it with wrap semantics")
+        if _reads_item(tx, installed_before):
+            # A Python float read in the body (`.item()` of the 0-d tensor Dynamo passes it as): torch
+            # leaves it symbolic there, where the backend's float specialization cannot reach it.
+            compat.restart_taking_own_path(
+                tx, entry, f"torch_ext: {self.value.__name__} body reads .item(); tracing it with torch_ext's")
+        if compat.TORCH_WRAP_SEMANTICS_UNRELIABLE and not _plain(result):
+            compat.restart_taking_own_path(
+                tx, entry, f"torch_ext: {self.value.__name__} returns {type(result).__name__}, which this "
+                "torch's own wrap semantics gets wrong; tracing it with torch_ext's")
+        return result
 
     def call_with_wrap_semantics(self, tx, args, kwargs):
         raise NotImplementedError

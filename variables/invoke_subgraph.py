@@ -42,6 +42,8 @@ class InvokeSubgraphVariable(WrapSemanticsMixin, compat.InvokeSubgraphHigherOrde
     body_supports_aliasing = False
 
     def torch_gets_wrong(self, tx, args, kwargs) -> bool:
+        if super().torch_gets_wrong(tx, args, kwargs):
+            return True
         if compat.NESTED_REGION_FAILS_AOT and _inside_a_region(tx):
             return True
         return compat.REGION_REUSE_BINDS_FIRST_INSTANCE and _bound_per_instance(args[0])

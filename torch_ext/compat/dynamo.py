@@ -223,6 +223,15 @@ def retrying_float_restarts(trace: Callable[[], Any], attempts: int = 4) -> Any:
         TensorifyState.clear()
 
 
+def floats_being_specialized() -> bool:
+    """Whether a restart of this frame asked Dynamo to specialize Python floats (TensorifyState, the
+    same on 2.9.1 .. 2.15): torch's own HOP tracing leaves their `.item()` in HOP bodies, which
+    Inductor then cannot compile; torch_ext's body tracing replaces them (specialized_float)."""
+    from torch._dynamo.symbolic_convert import TensorifyState
+
+    return not TensorifyState.empty()
+
+
 def restart_with_floats_specialized(names: list[str]):
     """Make Dynamo trace the frame again with these floats as constants, the way Inductor's own
     `tensorify_python_scalars` pass does when it cannot keep a float symbolic."""

@@ -23,14 +23,20 @@ def took_own_path(entry) -> bool:
     return getattr(entry, _OWN_PATH, False)
 
 
-def restart_taking_own_path(tx, entry, reason: str):
-    """Trace the frame again; at `entry` torch_ext's own path runs. Entries the abandoned attempt
-    recorded after `entry` (inside the body torch refused) are dropped: the next attempt's body trace
-    records its own."""
+def take_own_path(tx, entry) -> None:
+    """From now on (this attempt and every restart) torch_ext's own path runs at `entry`. Entries an
+    earlier attempt recorded after it (inside a body torch traced, or not at all where torch reused
+    a subgraph) are dropped: this attempt records its own."""
     setattr(entry, _OWN_PATH, True)
     log = tx.speculation_log
     index = next(i for i, e in enumerate(log.entries) if e is entry)
     del log.entries[index + 1:]
+
+
+def restart_taking_own_path(tx, entry, reason: str):
+    """Trace the frame again (nothing torch's refused attempt did survives); at `entry` torch_ext's
+    own path runs."""
+    take_own_path(tx, entry)
     raise _exc.SpeculationRestartAnalysis(restart_reason=reason)
 
 
