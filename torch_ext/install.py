@@ -33,6 +33,7 @@ def install() -> None:
     global _saved, _saved_base_hop, _saved_id_dispatch, _workarounds_undo
     from torch_ext import workarounds
     from torch_ext.variables import BASE_HOP_VARIABLE, HOP_VARIABLES
+    from torch_ext.variables.base import BASE_HOP, remember_torch_vts
     from torch_ext.variables.local_map import builder_id_dispatch_entries
 
     with _lock:
@@ -43,6 +44,8 @@ def install() -> None:
         module = compat.hop_variables_module()
         _saved = {name: table.get(name, _MISSING) for name in HOP_VARIABLES}
         _saved_base_hop = module.BaseHOPVariable
+        # torch's own VTs trace first; ours take over where they refuse (variables/base.py).
+        remember_torch_vts({**{k: v for k, v in _saved.items() if v is not _MISSING}, BASE_HOP: _saved_base_hop})
         table.update(HOP_VARIABLES)
         module.BaseHOPVariable = BASE_HOP_VARIABLE
         id_table = compat.builder_id_dispatch()
@@ -61,10 +64,12 @@ def uninstall() -> None:
     """Restore torch's own VTs exactly. A no-op when not installed."""
     global _saved, _saved_base_hop, _saved_id_dispatch, _workarounds_undo
     from torch_ext import workarounds
+    from torch_ext.variables.base import remember_torch_vts
 
     with _lock:
         if _saved is None:
             return
+        remember_torch_vts({})
         workarounds.restore(_workarounds_undo or [])
         table = compat.hop_variable_registry()
         for name, previous in _saved.items():

@@ -16,7 +16,7 @@ class CheckpointVariable(WrapSemanticsMixin, compat.CheckpointHigherOrderVariabl
         allow = config.checkpoint_side_effects or compat.torch_allows_checkpoint_side_effects()
         return type(opts)(**{**opts.__dict__, "checkpoint": True, "allow_side_effects": allow})
 
-    def _call_function(self, tx, args, kwargs):
+    def call_with_wrap_semantics(self, tx, args, kwargs):
         from torch._higher_order_ops.wrap import TagActivationCheckpoint
         from torch.utils.checkpoint import noop_context_fn
 

@@ -15,19 +15,52 @@ from .base import WrapSemanticsMixin
 from .reproxify import call_and_reproxify
 
 
+def _bound_per_instance(fn_vt) -> bool:
+    """The region function was read off a bound method stored on an object (`layer.forward =
+    MethodType(region, layer)`): its source passes through `__func__`. torch's subgraph reuse then
+    runs every instance with the first one's parameters (compat.REGION_REUSE_BINDS_FIRST_INSTANCE)."""
+    source = getattr(fn_vt, "source", None)
+    while source is not None:
+        if getattr(source, "member", None) == "__func__":
+            return True
+        source = getattr(source, "base", None)
+    return False
+
+
+def _inside_a_region(tx) -> bool:
+    """Traced inside another invoke_subgraph body (at any depth)."""
+    tracer = tx.output.current_tracer
+    while tracer.parent is not None:
+        if getattr(tracer, "source_target", None) is torch._higher_order_ops.invoke_subgraph:
+            return True
+        tracer = tracer.parent
+    return False
+
+
 class InvokeSubgraphVariable(WrapSemanticsMixin, compat.InvokeSubgraphHigherOrderVariable):
-    supports_input_mutation = True
-    supports_aliasing = False
+    body_supports_input_mutation = True
+    body_supports_aliasing = False
+
+    def torch_gets_wrong(self, tx, args, kwargs) -> bool:
+        if super().torch_gets_wrong(tx, args, kwargs):
+            return True
+        if compat.NESTED_REGION_FAILS_AOT and _inside_a_region(tx):
+            return True
+        return compat.REGION_REUSE_BINDS_FIRST_INSTANCE and _bound_per_instance(args[0])
 
     def body_options(self, tx):
         opts = super().body_options(tx)
-        return type(opts)(**{**opts.__dict__, "symint_outputs": compat.INVOKE_SUBGRAPH_RETURNS_SYMINTS})
+        # A region's body runs once per call, so what it stores into the caller's lists, dicts, objects,
+        # cells and globals is replayed by Dynamo after the graph, as torch 2.15 does for regions;
+        # the tensors stored become outputs of the call.
+        return type(opts)(**{**opts.__dict__, "symint_outputs": compat.INVOKE_SUBGRAPH_RETURNS_SYMINTS,
+                             "allow_side_effects": True})
 
     @compat.hard_error_on_graph_break(
         reason="torch.compile requires the `nested_compile_region` decorated function to be "
         "capturable into a single graph",
     )
-    def _call_function(self, tx, args, kwargs):
+    def call_with_wrap_semantics(self, tx, args, kwargs):
         fn_vt = args[0]
         if compat.NESTED_REGION_FAILS_AOT and tx.output.current_tracer.parent is not None:
             # Inside another HOP's body: as its own subgraph it would fail AOTAutograd on this torch;

@@ -67,12 +67,13 @@ class LocalMapVariable(WrapSemanticsMixin, compat.LocalMapHigherOrderVariableBas
     """Called as `_local_map_wrapped(func, out_placements, in_placements, in_grad_placements,
     device_mesh, redistribute_inputs, *args, **kwargs)` (torch 2.10+'s convention for this VT)."""
 
-    supports_input_mutation = False
-    supports_aliasing = False
+    body_supports_input_mutation = False
+    try_torch_first = False  # torch traces local_map only for Autoparallel (below)
+    body_supports_aliasing = False
 
-    def _call_function(self, tx, args, kwargs):
+    def call_with_wrap_semantics(self, tx, args, kwargs):
         if compat.torch_local_map_autoparallel_enabled():
-            return super()._call_function(tx, args, kwargs)  # torch's own Autoparallel tracing
+            return super(WrapSemanticsMixin, self)._call_function(tx, args, kwargs)  # torch's own Autoparallel tracing
         # A direct `local_map_hop(body_gm, *operands)` call passes a GraphModule, not local_map's
         # six leading arguments.
         if len(args) < len(_LOCAL_MAP_ARGS) or isinstance(getattr(args[0], "value", None), torch.fx.GraphModule):

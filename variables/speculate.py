@@ -51,7 +51,7 @@ class BodyOptions:
     supports_aliasing: bool = True
     symint_outputs: bool = True  # the HOP can return SymInts (torch 2.9.1's invoke_subgraph cannot)
     checkpoint: bool = False  # body of an activation checkpoint
-    allow_side_effects: bool = False  # body may mutate outer Python state (checkpoint opt-in)
+    allow_side_effects: bool = False  # body may mutate outer Python state (regions; checkpoint opt-in)
 
 
 def _is_graph_value(vt) -> bool:
@@ -207,6 +207,30 @@ def _specialize_floats(graph: torch.fx.Graph, lifted: dict) -> dict:
     return {outer: inner for outer, inner in lifted.items() if inner.node not in unused}
 
 
+def _aliased_pairs(nodes: list, others: list | None = None) -> list[tuple[str, str]]:
+    """Pairs of nodes (by name) whose tensors share storage: within `nodes`, or between the two lists."""
+    pairs, seen = [], {}
+    for node in nodes:
+        storage = storage_of(node)
+        if storage is None:
+            continue
+        if others is None and storage in seen:
+            pairs.append((seen[storage], node.name))
+        seen.setdefault(storage, node.name)
+    if others is not None:
+        pairs = [(seen[storage_of(o)], o.name) for o in others if storage_of(o) in seen]
+    return pairs
+
+
+def _refuse_aliasing(opts: BodyOptions, graph, what: str, pairs, explanation: str, hint: str):
+    compat.unimplemented(
+        gb_type=f"torch_ext: {opts.hop_name} {what}",
+        context=f"{', '.join(f'{a} and {b}' for a, b in pairs) or what} share storage in\n{graph}",
+        explanation=explanation,
+        hints=[hint],
+    )
+
+
 def _check_aliasing_and_mutation(subtracer, graph, opts: BodyOptions) -> None:
     if not opts.supports_input_mutation:
         info = subtracer.has_input_mutation()
@@ -217,16 +241,32 @@ def _check_aliasing_and_mutation(subtracer, graph, opts: BodyOptions) -> None:
                 explanation=f"{opts.hop_name} does not allow its body to mutate its inputs in place.",
                 hints=["Compute a new tensor instead of the in-place op (e.g. `x = x + 1` for `x += 1`)."],
             )
-    if not opts.supports_aliasing:
-        info = subtracer.has_aliasing()
-        if info.has_aliasing:
-            compat.unimplemented(
-                gb_type=f"torch_ext: {opts.hop_name} body output aliases an input or another output",
-                context=f"{info.msg} in\n{graph}",
-                explanation=f"An output of {opts.hop_name} may not alias its inputs or its other outputs. "
-                "Returning an input unchanged, or a plain view of one (taken in the caller), is fine.",
-                hints=["Return `.clone()` of the view (or compute the view after the region call)."],
-            )
+    if opts.supports_aliasing:
+        return
+    # Which aliasing decides the message: the user fixes two aliased inputs at the call, an aliased
+    # output in the body.
+    inputs = list(graph.find_nodes(op="placeholder"))
+    (output,) = graph.find_nodes(op="output")
+    outputs = [n for n in output.args[0] if isinstance(n, torch.fx.Node)]
+    if pairs := _aliased_pairs(inputs):
+        _refuse_aliasing(opts, graph, "inputs alias each other", pairs,
+                         f"Two inputs of {opts.hop_name} share memory (one is a view of the other, or the "
+                         f"same tensor reached two ways); {opts.hop_name} requires distinct inputs.",
+                         "Pass the tensor once and take the view inside the body, or pass `.clone()` of one.")
+    if pairs := _aliased_pairs(inputs, outputs):
+        _refuse_aliasing(opts, graph, "output aliases an input", pairs,
+                         f"An output of {opts.hop_name} shares memory with one of its inputs. Returning an "
+                         "input unchanged, or a plain view of one (taken in the caller), is fine.",
+                         "Return `.clone()` of it (or compute the view after the region call).")
+    if pairs := _aliased_pairs(outputs):
+        _refuse_aliasing(opts, graph, "outputs alias each other", pairs,
+                         f"Two outputs of {opts.hop_name} share memory in a way that is not a plain view "
+                         "of one another.", "Return `.clone()` of one of them.")
+    info = subtracer.has_aliasing()  # anything the checks above do not classify
+    if info.has_aliasing:
+        _refuse_aliasing(opts, graph, "body output aliases an input or another output", [],
+                         f"{info.msg}: an output of {opts.hop_name} may not alias its inputs or other outputs.",
+                         "Return `.clone()` of the aliasing output.")
 
 
 def speculate(tx, source_target, fn_vt, args: list, kwargs: dict, opts: BodyOptions) -> Speculation:
@@ -242,11 +282,12 @@ def speculate(tx, source_target, fn_vt, args: list, kwargs: dict, opts: BodyOpti
         # Side effects are not rolled back: objects the body creates keep their attributes for the code
         # after the call. Mutations of outer objects are refused by Dynamo's scope check unless the
         # checkpoint side-effect opt-in is on.
-        body_ctx = (
-            compat.checkpoint_body_context(tx, opts.allow_side_effects)
-            if opts.checkpoint
-            else contextlib.nullcontext()
-        )
+        if opts.checkpoint:
+            body_ctx = compat.checkpoint_body_context(tx, opts.allow_side_effects)
+        elif opts.allow_side_effects:
+            body_ctx = compat.allow_outer_side_effects(tx)
+        else:
+            body_ctx = contextlib.nullcontext()
         with body_ctx, compat.defer_outer_mutation_checks(tx):
             output = fn_vt.call_function(tx, list(args), dict(kwargs))
 

@@ -10,7 +10,7 @@ from .reproxify import call_and_reproxify
 class WrapVariable(WrapSemanticsMixin, compat.WrapHigherOrderVariable):
     """torch._higher_order_ops.wrap.wrap(fn, *args, **kwargs)."""
 
-    def _call_function(self, tx, args, kwargs):
+    def call_with_wrap_semantics(self, tx, args, kwargs):
         spec, _, _, proxy_args = self.trace_body(tx, args[0], args[1:], kwargs, subgraph_name="wrap_body")
         return call_and_reproxify(tx, self.value, proxy_args, {}, spec)
 
@@ -21,7 +21,7 @@ class DynamoBypassingWrapperVariable(WrapSemanticsMixin, compat.DynamoBypassingW
     # The wrapper itself is stored on the body module, so it need not be a global.
     WRAPPER_META_KEY = "_dynamo_bypassing_wrapper_fn"
 
-    def _call_function(self, tx, args, kwargs):
+    def call_with_wrap_semantics(self, tx, args, kwargs):
         wrapper_vt = args[0]
         if not hasattr(wrapper_vt, "guard_as_python_constant"):
             compat.unimplemented(
@@ -43,14 +43,15 @@ class BaseHOPVariable(WrapSemanticsMixin, compat.BaseHOPVariable):
     """Any `torch._higher_order_ops.BaseHOP` subclass without a VT of its own: hop(fn, *args, **kw),
     where the keyword arguments are the HOP's own options, passed to the call node unchanged."""
 
-    supports_input_mutation = False
-    supports_aliasing = False
+    body_supports_input_mutation = False
+    body_supports_aliasing = False
+    is_base_hop = True
 
     def body_options(self, tx):
         opts = super().body_options(tx)
         return type(opts)(**{**opts.__dict__, "hop_name": self.value._name})
 
-    def _call_function(self, tx, args, kwargs):
+    def call_with_wrap_semantics(self, tx, args, kwargs):
         spec, _, _, proxy_args = self.trace_body(tx, args[0], args[1:], {}, subgraph_name="subgraph")
         proxy_kwargs = {key: value.as_proxy() for key, value in kwargs.items()}
         return call_and_reproxify(tx, self.value, proxy_args, proxy_kwargs, spec)

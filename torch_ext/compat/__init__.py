@@ -3,8 +3,8 @@
 No other module branches on the torch version: they import the Dynamo internals they need from here.
 
 One module per concern: versions (which torch, known bugs), dynamo (tracing internals), runtime
-(CUDA graphs, custom ops), aot (AOT compile), inductor (its per-process keys), joint (Inductor's training compile with our
-inner compile). Callers use
+(CUDA graphs, custom ops), aot (AOT compile), inductor (its per-process keys), speculation (restarts), joint
+(Inductor's training compile with our inner compile). Callers use
 `torch_ext.compat.<name>`.
 """
 from torch_ext.compat.versions import *  # noqa: F401,F403  (checks the version first)
@@ -13,5 +13,6 @@ from torch_ext.compat.dynamo import *  # noqa: F401,F403
 from torch_ext.compat.runtime import *  # noqa: F401,F403
 from torch_ext.compat.aot import *  # noqa: F401,F403
 from torch_ext.compat.inductor import *  # noqa: F401,F403
+from torch_ext.compat.speculation import *  # noqa: F401,F403
 from torch_ext.compat.joint import *  # noqa: F401,F403
 from torch_ext.compat import versions  # noqa: F401  (tests patch the running release there)

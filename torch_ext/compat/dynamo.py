@@ -90,6 +90,17 @@ def checkpoint_body_context(tx, allow_side_effects: bool):
     return contextlib.nullcontext()
 
 
+def allow_outer_side_effects(tx):
+    """Let the HOP body being traced mutate outer Python state (lists, dicts, attributes, cells,
+    globals): 2.10+ flags the tracer with `allow_side_effects_in_hop`; 2.9.1 has only
+    `allow_externally_visible_side_effects_in_subtracer`, which does the same for its check."""
+    if hasattr(_hops, "dynamo_allow_side_effects_in_hop"):
+        return _hops.dynamo_allow_side_effects_in_hop(tx)
+    from torch._dynamo.side_effects import allow_externally_visible_side_effects_in_subtracer
+
+    return allow_externally_visible_side_effects_in_subtracer(tx)
+
+
 def hard_error_on_graph_break(reason: str):
     """A graph break inside a nested_compile_region is a hard error in torch. 2.9.1 says so with a
     decorator on `_call_function`; 2.10+ with the class attribute `_ALLOW_FALLBACK_TO_EAGER = False`."""
@@ -210,6 +221,15 @@ def retrying_float_restarts(trace: Callable[[], Any], attempts: int = 4) -> Any:
                     raise
     finally:
         TensorifyState.clear()
+
+
+def floats_being_specialized() -> bool:
+    """Whether a restart of this frame asked Dynamo to specialize Python floats (TensorifyState, the
+    same on 2.9.1 .. 2.15): torch's own HOP tracing leaves their `.item()` in HOP bodies, which
+    Inductor then cannot compile; torch_ext's body tracing replaces them (specialized_float)."""
+    from torch._dynamo.symbolic_convert import TensorifyState
+
+    return not TensorifyState.empty()
 
 
 def restart_with_floats_specialized(names: list[str]):

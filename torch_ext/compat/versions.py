@@ -51,6 +51,12 @@ TORCH_VERSION = TORCH_RELEASE[:2]
 # 2.10 introduced wrap-semantics speculation in torch itself.
 TORCH_HAS_WRAP_SEMANTICS = hasattr(_hops, "speculate_subgraph_with_auto_output_flattening")
 
+# torch's own wrap semantics (2.10 .. 2.12) compile HOP bodies returning closures or objects holding
+# SymInts into graphs that fail at run time (UnboundLocalError, None sizes: 2.11; 2.13+ are right).
+# torch_ext lets torch's tracing stand there only for bodies returning tensors, constants and
+# containers of them.
+TORCH_WRAP_SEMANTICS_UNRELIABLE = TORCH_HAS_WRAP_SEMANTICS and TORCH_VERSION < (2, 13)
+
 # torch 2.9.1's invoke_subgraph autograd assumes every output is a tensor; 2.10+ also returns SymInts.
 INVOKE_SUBGRAPH_RETURNS_SYMINTS = TORCH_HAS_WRAP_SEMANTICS
 
