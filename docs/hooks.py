@@ -117,5 +117,18 @@ def on_page_markdown(markdown, page, config, files):
     return _LINK.sub(repl, markdown)
 
 
+# README.md is not a page of the site, but its links into docs/ are how a newcomer arrives: one that
+# points at a missing file is a warning too (a failure under --strict).
+_README_LINK = re.compile(r"\]\(([^)\s#]+)(#[^)\s]*)?\)")
+
+
+def on_pre_build(config):
+    readme = os.path.join(ROOT, "README.md")
+    for m in _README_LINK.finditer(open(readme, encoding="utf-8").read()):
+        target = m.group(1)
+        if "://" not in target and not os.path.exists(os.path.join(ROOT, target)):
+            log.warning("README.md links to %s, which does not exist", target)
+
+
 if __name__ == "__main__":
     print(render())
