@@ -12,8 +12,8 @@ imported beforehand in every case. Run time (--hop-modes) is CPU time on one thr
 rounds, so that other load on the machine matters less. "cold": empty Inductor cache
 (TORCHINDUCTOR_CACHE_DIR) and empty torch_ext cache; "warm": a new process on the caches the
 cold run left. "warm start s": the first call of `torch_ext.compile` in a new process that finds
-its warm-start entry (the traced program saved by the cold run: no Dynamo trace; README, Warm
-start). Goals: torch_ext's 32-layer cold compile within 1.3x of its 2-layer one, warm at least 5x
+its warm-start entry (the traced program saved by the cold run: no Dynamo trace;
+docs/guide/warm-start.md). Goals: torch_ext's 32-layer cold compile within 1.3x of its 2-layer one, warm at least 5x
 faster than cold, warm start at most 1.0 s at 32 layers and at most 0.3x plain Inductor's warm call.
 """
 from __future__ import annotations

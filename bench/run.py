@@ -6,7 +6,7 @@
 Each prints Markdown tables (harness.py: timing, interleaved rounds, the memory-bandwidth floor).
 bench/dev/ holds the developers' tools (kernel checks and op benchmarks, profiles, host-cost
 microbenchmarks); bench/experiments/ the finished kernel experiments, kept for their numbers;
-bench/results/ the logs that README and docs tables cite.
+bench/results/ the logs that the docs tables cite (docs/measurements/).
 """
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ def test_static_cache_decode_through_torch_ext_matches_eager_and_generate(reques
         request.getfixturevalue("fx_pieces")
     model = hf.build(arch).eval()
     config = CompileConfig(splitting_ops=[SDPA], cache_dir=None, guard_free_dispatch=True)
-    compiled = torch_ext.compile(model, config, dynamic=False)  # as README recommends for a StaticCache
+    compiled = torch_ext.compile(model, config, dynamic=False)  # as docs/guide/huggingface.md recommends for a StaticCache
     decode_matches_eager(model, compiled)
     # The write position is a tensor (StaticCache's cumulative_length): one graph serves every step,
     # and after the first, steps run Dynamo's code without its guards.

@@ -45,7 +45,7 @@ def test_inductor_reused_region_gradients():
     assert _grad_error(two_calls_product, "inductor") < 1e-5
 
 
-# The workaround (README): the bug is Inductor reusing, or writing in place into, a buffer that a
+# The workaround (docs/guide/torch-bugs.md): the bug is Inductor reusing, or writing in place into, a buffer that a
 # region call still needs.
 NO_BUFFER_REUSE = {"allow_buffer_reuse": False, "inplace_buffers": False}
 

@@ -179,6 +179,9 @@ class CompileConfig:
     compile_ranges_split_points: tuple[int, ...] = ()
     # Inductor config patches applied to every piece compile (keys of torch._inductor.config).
     inductor_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+    # Where compiled pieces (and warm-start programs) are kept on disk: $TORCH_EXT_CACHE_DIR, else
+    # $XDG_CACHE_HOME/torch_ext, else ~/.cache/torch_ext. None (or ""): no disk cache. A directory other
+    # users can write is refused: its artifacts are code.
     cache_dir: str | None = dataclasses.field(default_factory=default_cache_dir)
     # Readable Python of the Dynamo graph, the split graph and every piece; depyf of Dynamo's code.
     debug_dump_dir: str | None = None
@@ -216,20 +219,28 @@ class CompileConfig:
     decode_linear_fusion: bool = True
     # tqdm progress bars while compiling several pieces (None: only on a terminal).
     progress_bar: bool | None = None
-    # CUDA graphs (README: CUDA graphs): "none", "piecewise" (a graph per compiled piece, splitting
+    # CUDA graphs (docs/guide/cuda-graphs.md): "none", "piecewise" (a graph per compiled piece, splitting
     # ops eager between them), "full" (one graph per forward, splitting ops captured too), or
     # "full_and_piecewise" (full graphs, and piecewise ones where a full graph cannot serve a call).
     cudagraph_mode: str = "none"
+    # Batch sizes captured as CUDA graphs; a smaller batch is padded to the next one, a larger one runs
+    # the compiled pieces without graphs.
     cudagraph_capture_sizes: tuple[int, ...] = ()
     # "full_and_piecewise": capture sizes up to this one get full graphs, larger ones piecewise
     # graphs (vLLM's split: decode-sized batches full, prefill-sized piecewise). None: all full.
     full_cudagraph_max_size: int | None = None
+    # Calls at a capture size that run uncaptured before the capture (at least one: lazy compiles and
+    # Triton autotuning cannot run under capture).
     cudagraph_num_warmup: int = 1
+    # A parameter or buffer that moved is an error (CudaGraphAddressError) instead of a new capture, and
+    # constant arguments are checked too.
     cudagraph_check_addresses: bool = False
+    # torch_ext.compile: after a compile, calls run Dynamo's transformed code behind one generated check
+    # of what it was compiled for, not Dynamo's guards (backend/dispatch/).
     guard_free_dispatch: bool = False
     # torch_ext.compile saves the traced program beside the pieces and a new process loads it without
     # tracing (backend/warm_start/). None: on where a cache_dir is set and torch has AOT compile
-    # (2.13+); True: the same, said once where it cannot be; False: off.
+    # (2.11+); True: the same, said once where it cannot be; False: off.
     warm_start: bool | None = None
 
     def __post_init__(self) -> None:

@@ -83,7 +83,7 @@ class UnusedConfigReporter:
         nearest = list(dict.fromkeys([*nearest, *self._pending.pop(name)[1]]))[:3]
         hint = f"; calls in the graph with the nearest names: {', '.join(nearest)}" if nearest else ""
         log.warning("torch_ext: splitting op %s matches no call in %s (nor in any graph so far), so the model "
-                    "is not split there%s (README, Backend: which names match).", name, where, hint)
+                    "is not split there%s (docs/guide/backend.md: which names match).", name, where, hint)
 
     def _unreachable_sizes(self, gm: fx.GraphModule, index: int) -> None:
         """Sizes no batch the graph accepts can reach (its batch has an upper bound from

@@ -3,7 +3,7 @@ runner sets.
 
 torch_ext's decode ops (decode_attention, decode_linear) pay off where a CUDA graph replays their
 launches: launched from Python, each Triton kernel costs ~0.1 ms of CPU, more than the GPU time it
-saves (README, "Where the decode ops run"). Their default (None) puts them into graphs compiled for
+saves (docs/guide/decode-kernels.md, "Where the decode ops run"). Their default (None) puts them into graphs compiled for
 CUDA graphs, but such a graph also runs without one: a batch above the largest capture size, a
 region that cannot be captured, an input that moved. Around those calls the runner names the ops
 left to their default, and they run their reference formulation instead (cuBLAS, SDPA: one launch

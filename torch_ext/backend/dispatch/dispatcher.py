@@ -7,7 +7,7 @@
                          #   then that code runs as a plain Python function; Dynamo's guards are
                          #   not consulted
 
-The check (a few us; see README) covers what the compiled code assumed about the arguments: tensor
+The check (a few us; docs/measurements/host-cost.md) covers what the compiled code assumed about the arguments: tensor
 dtypes, devices, ranks, requires_grad, the sizes and strides Dynamo specialized (a first call at
 batch 1 specializes the batch dim to 1), equalities between symbolic sizes, the ints it specialized,
 other Python scalars, container structure, other objects by identity, and the global state Dynamo

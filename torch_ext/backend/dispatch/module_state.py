@@ -7,7 +7,7 @@ at the root module on every call:
 * the root module's own plain attributes (ints, floats, bools, strings, None: `self.scale = 2.0`).
 A call whose module state differs from the one a variant was compiled with does not run that variant:
 it goes through torch.compile's guards (dispatcher.py). Deeper state (submodules' attributes,
-globals) stays the caller's promise (README).
+globals) stays the caller's promise (docs/guide/cuda-graphs.md).
 """
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ from torch_ext.backend.compile.cache import ArtifactStore, _file_digest
 from torch_ext.backend.counters import counters
 from torch_ext.backend.compile.environment import process_factors
 
-log = logging.getLogger("torch_ext.backend.warm_start")  # the name README documents
+log = logging.getLogger("torch_ext.backend.warm_start")  # the name docs/guide/troubleshooting.md documents
 
 FORMAT = "torch_ext warm start v1"
 STORE = "warm_start"  # <cache_dir>/warm_start/{artifacts,locks,tmp}: one ArtifactStore

@@ -16,7 +16,7 @@ from torch_ext.backend.config import CompileConfig
 from torch_ext.backend.runtime.cudagraph.errors import CudaGraphCaptureError
 from torch_ext.backend.runtime.cudagraph.stats import cudagraph_stats
 
-log = logging.getLogger("torch_ext.backend.cudagraph")  # the name README documents
+log = logging.getLogger("torch_ext.backend.cudagraph")  # the name docs/guide/troubleshooting.md documents
 
 _NOT_AN_OUTPUT = object()
 

@@ -76,7 +76,7 @@ from torch_ext.backend.runtime.cudagraph.padding import (COPIED, PINNED, STATIC,
 from torch_ext.backend.runtime.piecewise import CompiledPiece, batch_symbol
 from torch_ext.backend.split.splitter import SplitGraph
 
-log = logging.getLogger("torch_ext.backend.cudagraph")  # the name README documents
+log = logging.getLogger("torch_ext.backend.cudagraph")  # the name docs/guide/troubleshooting.md documents
 
 __all__ = [
     "CudaGraphAddressError",

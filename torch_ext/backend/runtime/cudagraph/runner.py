@@ -283,7 +283,7 @@ class CudaGraphRunner:
                 ("copied", self.name), "torch_ext: %s copies %s into static buffers on every replay (%d bytes at "
                 "batch size %s): the splitting op allocates its result. A splitting op that writes into a buffer "
                 "the model allocates before the call (torch.empty_like, listed in mutates_args) leaves it in the "
-                "graph before, where the graph after reads it without a copy (README: CUDA graphs).", self.name,
+                "graph before, where the graph after reads it without a copy (docs/guide/cuda-graphs.md).", self.name,
                 ", ".join(f"input {i} '{self.inputs[i].name}' (from {op})" for i, op in copied),
                 sum(entry.buffers[i].untyped_storage().nbytes() for i, _ in copied), entry.size)
         back = self._fill(entry, n, args)
