@@ -124,8 +124,8 @@ class JointCompiler:
                 compiled[piece.name] = callables[piece.name] = self.pieces.compile(
                     gm, is_backward=is_backward, is_inference=is_inference, label=f"{label} {piece.name}")
                 counters.pieces += 1
-            else:  # a splitting op, or sizes and tuple unpacking: plain Python
-                callables[piece.name] = gm.forward
+            else:  # a splitting op, or sizes and tuple unpacking: plain Python, inlined
+                callables[piece.name] = straight_line(gm.graph, {}, f"{label} {piece.name}", boxed=False)
         counters.splitting_op_calls += len(splitting)
         counters.unique_pieces = len(self.pieces._memo)
         self._report_output_strides(split.split_gm, compiled)

@@ -16,9 +16,11 @@ from typing import Any, Callable
 import torch.fx as fx
 
 
-def straight_line(graph: fx.Graph, callables: dict[str, Callable], name: str = "split_graph") -> Callable[[list], Any]:
+def straight_line(graph: fx.Graph, callables: dict[str, Callable], name: str = "split_graph",
+                  boxed: bool = True) -> Callable:
     """`run(args)` for `graph`: placeholders from the list `args` (cleared), each `call_module` node
-    calling `callables[target]`, getitem on results, other calls by their target, output as written."""
+    calling `callables[target]`, getitem on results, other calls by their target, output as written.
+    boxed=False: `run(*args)`, for a partition run eagerly (a splitting op) inside such a function."""
     names: dict[fx.Node, str] = {}
     env: dict[str, Any] = {}  # globals of the generated function: callables and constants
 
@@ -52,9 +54,10 @@ def straight_line(graph: fx.Graph, callables: dict[str, Callable], name: str = "
     lines = []
     for i, node in enumerate(placeholders):
         names[node] = f"a{i}"
-    if placeholders:
+    if placeholders and boxed:
         lines.append("    " + "".join(f"{names[n]}, " for n in placeholders) + "= args")
-    lines.append("    args.clear()")
+    if boxed:
+        lines.append("    args.clear()")
     for i, node in enumerate(nodes):
         if node.op == "placeholder":
             pass
@@ -75,12 +78,13 @@ def straight_line(graph: fx.Graph, callables: dict[str, Callable], name: str = "
                 lines.append(f"    del {value}")
         # Values whose last use was this node: drop them now (a saved activation freed as early as
         # Inductor's own code frees it).
-        if node in dying:
+        if node in dying and node.op != "output":
             lines.append(f"    del {', '.join(names[u] for u in dying[node])}")
-    source = "def run(args):\n" + "\n".join(lines) + "\n"
+    signature = "args" if boxed else ", ".join(names[n] for n in placeholders)
+    source = f"def run({signature}):\n" + "\n".join(lines) + "\n"
     code = compile(source, f"<torch_ext {name}>", "exec")
     exec(code, env)
     run = env["run"]
-    run._boxed_call = True  # AOTAutograd calls it with a list it may clear
+    run._boxed_call = boxed  # AOTAutograd calls a boxed one with a list it may clear
     run.source = source
     return run
