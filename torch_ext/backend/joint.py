@@ -86,7 +86,7 @@ class JointCompiler:
         def inner_compile(graph: fx.GraphModule, inputs, **kwargs):
             is_backward = bool(kwargs.get("is_backward", False))
             kind = "backward" if is_backward else "inference" if kwargs.get("is_inference") else "forward"
-            return self._compile_graph(graph, kind, f"{label} {kind}", wanted, dumper, splits)
+            return self._compile_graph(graph, inputs, kwargs, kind, f"{label} {kind}", wanted, dumper, splits)
 
         for node in gm.graph.find_nodes(op="placeholder"):
             if not hasattr(node, "_dynamo_source"):  # a graph a warm start loaded: GraphPickler keeps meta only
@@ -108,13 +108,16 @@ class JointCompiler:
         return node.op == "call_function" and getattr(node.target, "__name__", None) in _RNG_STATE_HOPS and \
             any(self.matcher.match_target(a) for a in node.args if isinstance(a, torch._ops.OpOverload))
 
-    def _compile_graph(self, graph: fx.GraphModule, kind: str, label: str, wanted: int, dumper,
-                       splits: dict) -> Callable:
+    def _compile_graph(self, graph: fx.GraphModule, inputs, kwargs: dict, kind: str, label: str, wanted: int,
+                       dumper, splits: dict) -> Callable:
+        if not any(self.is_splitting(node) for node in all_calls(graph)):
+            if wanted and kind != "backward":
+                self._say_once(f"AOTAutograd turned the splitting ops of {label} into ops torch_ext cannot "
+                               f"match ({', '.join(self.matcher.names)}); it runs unsplit")
+            # Nothing to split at: Inductor's own compile of the graph, exactly as plain Inductor's.
+            return compat.compile_whole_aten_graph(graph, inputs, kwargs)
         split = split_graph(graph, self.is_splitting, "inline")
         splitting = [p for p in split.pieces if p.kind == "splitting"]
-        if wanted and not splitting and kind != "backward":
-            self._say_once(f"AOTAutograd turned the splitting ops of {label} into ops torch_ext cannot "
-                           f"match ({', '.join(self.matcher.names)}); it runs unsplit")
         is_backward, is_inference = kind == "backward", kind == "inference"
         callables: dict[str, Callable] = {}
         compiled = {}

@@ -39,6 +39,13 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
     return compiled, (list(strides) if strides is not None else None)
 
 
+def compile_whole_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kwargs: dict) -> Callable:
+    """What Inductor's own inner compile makes of a graph AOTAutograd handed us (its keyword arguments as given)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
 def enclosing_output_strides() -> list | None:
     """The list AOTAutograd reads the forward graph's output strides from (None where it reads none)."""
     context = torch._guards.TracingContext.try_get()

@@ -24,14 +24,16 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class CompiledAtenPiece:
-    """A compiled piece, called with its arguments; `output_strides`: what Inductor chose per output."""
+    """A compiled piece, called with a list of its arguments that it clears (boxed, as Inductor's code:
+    each input is freed once read); `output_strides`: what Inductor chose per output."""
 
     fn: Callable[[list], Any]
     single_output: bool
     output_strides: list | None
+    _boxed_call = True
 
-    def __call__(self, *args):
-        out = self.fn(list(args))
+    def __call__(self, args: list):
+        out = self.fn(args)
         return out[0] if self.single_output else out
 
 

@@ -66,7 +66,14 @@ def straight_line(graph: fx.Graph, callables: dict[str, Callable], name: str = "
         else:
             value = names[node] = f"v{i}"
             args = ", ".join([fmt(a) for a in node.args] + [f"{k}={fmt(v)}" for k, v in node.kwargs.items()])
-            if node.op == "call_module":
+            if node.op == "call_module" and getattr(callables[node.target], "_boxed_call", False):
+                # A boxed callable (a compiled piece) gets its inputs in a list it clears, and the names
+                # whose last use this is are dropped first: it frees each input once it has read it.
+                lines.append(f"    {value} = [{args}]")
+                if node in dying:
+                    lines.append(f"    del {', '.join(names[u] for u in dying.pop(node))}")
+                lines.append(f"    {value} = {constant(callables[node.target])}({value})")
+            elif node.op == "call_module":
                 lines.append(f"    {value} = {constant(callables[node.target])}({args})")
             elif node.op == "call_function" and node.target is operator.getitem:
                 lines.append(f"    {value} = {fmt(node.args[0])}[{fmt(node.args[1])}]")
