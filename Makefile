@@ -53,12 +53,16 @@ lint: $(VENV)/.ready
 	touch $@
 
 # The venv is built inside the recipe (a no-op where `test` installed it ahead), not as a prerequisite:
-# `make test-2.13.0` alone builds its own.
+# `make test-2.13.0` alone builds its own. Each run gets a fresh Inductor cache: entries an earlier run left
+# in the shared /tmp/torchinductor_<user> made 2.9.1's float-specialization tests fail to compile
+# (GuardOnDataDependentSymNode; they pass with a fresh cache, 2026-11-28).
 $(addprefix test-,$(VERSIONS)): test-%:
 	$(MAKE) --no-print-directory $(call venv,$*)/.ready
-	$(call venv,$*)/bin/python -m pytest -q $(if $(FULL)$(filter $*,$(FULL_VERSIONS)),,-m "not slow") \
+	inductor_cache=$$(mktemp -d /tmp/torch_ext_test_inductor_$*.XXXXXX); \
+	TORCHINDUCTOR_CACHE_DIR=$$inductor_cache $(call venv,$*)/bin/python -m pytest -q \
+	  $(if $(FULL)$(filter $*,$(FULL_VERSIONS)),,-m "not slow") \
 	  $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS)) $(PYTEST_ARGS); status=$$?; \
-	$(if $(DROP_VENVS),rm -rf $(call venv,$*);) exit $$status
+	rm -rf $$inductor_cache; $(if $(DROP_VENVS),rm -rf $(call venv,$*);) exit $$status
 
 # The documentation site (mkdocs.yml, docs/) into site/. --strict: a broken link or anchor, a page missing
 # from the nav or a CompileConfig field without a comment fails. A venv of its own with no torch (the
