@@ -226,7 +226,7 @@ def test_backend_by_name_uses_the_default_config(monkeypatch, tmp_path):
 def test_backend_by_name_reads_torch_compile_mode_and_options(monkeypatch):
     """transformers' generate compiles with mode="reduce-overhead" by default: a mode picks the nearest
     CompileConfig, options name its fields; anything else is refused by name (not a TypeError in Dynamo)."""
-    from torch_ext.backend.config import from_torch_compile
+    from torch_ext.backend.torch_compile_modes import from_torch_compile
 
     monkeypatch.setattr(torch_ext.backend, "_backends", {})
     assert from_torch_compile("reduce-overhead", None).cudagraph_mode == "full"

@@ -15,7 +15,8 @@ import sys
 from torch_ext.backend.backend import TorchExtBackend
 from torch_ext.backend.compile.cache import UnsafeCacheDirError
 from torch_ext.backend.compile.compiler import Variant, current_compile_variant
-from torch_ext.backend.config import CompileConfig, ConfigError, from_torch_compile
+from torch_ext.backend.config import CompileConfig, ConfigError
+from torch_ext.backend.torch_compile_modes import from_torch_compile
 from torch_ext.backend.counters import counters
 from torch_ext.backend.split.splitter import SplitError
 
@@ -43,7 +44,7 @@ _backends: dict[str, TorchExtBackend] = {}  # by torch.compile mode and options
 
 def torch_ext_backend(gm, example_inputs, *, mode: str | None = None, options: dict | None = None):
     """`backend="torch_ext"`: the backend with the default CompileConfig, shared by all its uses;
-    torch.compile's `mode` and `options` pick another (config.from_torch_compile)."""
+    torch.compile's `mode` and `options` pick another (torch_compile_modes.from_torch_compile)."""
     key = repr((mode, sorted((options or {}).items())))
     backend = _backends.get(key)
     if backend is None:
