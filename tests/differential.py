@@ -18,10 +18,9 @@ import sys
 
 import torch
 import torch._dynamo
-import torch.utils._pytree as pytree
 
 import torch_ext
-from torch_ext.testing import normalized_graph
+from torch_ext.testing import _grads, normalized_graph  # _grads: a fixed random cotangent per output, one definition
 
 BACKENDS = ("eager", "aot_eager", "inductor")
 
@@ -36,16 +35,6 @@ class Outcome:
 def _clone(inputs):
     return [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
             for t in inputs]
-
-
-def _grads(outputs, inputs):
-    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    outs = [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
-    if not leaves or not outs:
-        return []
-    gen = torch.Generator().manual_seed(0)
-    loss = sum((o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() for o in outs)
-    return list(torch.autograd.grad(loss, leaves, allow_unused=True))
 
 
 def _differs(actual, expected) -> str:
