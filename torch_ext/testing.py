@@ -157,7 +157,8 @@ def capture_graphs(fn: Callable, *args: Any, backend_config: Any = None, piecewi
         split_gm = compiled if splits is None else splits.get("forward", splits.get("inference"))
         captured.graphs.append(gm)
         captured.split_graphs.append(split_gm)
-        captured.pieces.append(_pieces(split_gm))
+        # A training graph with nothing to split at is one piece: the graph itself.
+        captured.pieces.append(_pieces(split_gm) or {"graph": split_gm})
         return compiled
 
     was_installed = torch_ext.is_installed()

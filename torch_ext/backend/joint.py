@@ -115,7 +115,8 @@ class JointCompiler:
                 self._say_once(f"AOTAutograd turned the splitting ops of {label} into ops torch_ext cannot "
                                f"match ({', '.join(self.matcher.names)}); it runs unsplit")
             # Nothing to split at: Inductor's own compile of the graph, exactly as plain Inductor's.
-            return compat.compile_whole_aten_graph(graph, inputs, kwargs)
+            splits[kind] = graph
+            return self.pieces.compile_whole(graph, inputs, kwargs, label)
         split = split_graph(graph, self.is_splitting, "inline")
         splitting = [p for p in split.pieces if p.kind == "splitting"]
         is_backward, is_inference = kind == "backward", kind == "inference"

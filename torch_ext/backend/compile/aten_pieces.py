@@ -56,6 +56,19 @@ class AtenPieceCompiler:
         self.dedup = dedup
         self._memo: dict[str, CompiledAtenPiece] = {}
 
+    def compile_whole(self, gm: fx.GraphModule, example_inputs, kwargs: dict, label: str) -> Callable:
+        """A graph with nothing to split at, compiled as Inductor's own inner compile would (its arguments)."""
+        start = time.perf_counter()
+        fn = compat.compile_whole_aten_graph(gm, example_inputs, kwargs)
+        self._count(time.perf_counter() - start, label)
+        return fn
+
+    def _count(self, elapsed: float, label: str) -> None:
+        counters.compile_seconds += elapsed
+        counters.inductor_compiles += 1
+        counters.compiles_by_variant["general"] += 1
+        log.debug("compiled %s in %.2f s", label, elapsed)
+
     def compile(self, gm: fx.GraphModule, *, is_backward: bool, is_inference: bool, label: str) -> CompiledAtenPiece:
         single = _as_tuple_output(gm)
         key = f"{graph_fingerprint(gm)}|backward={is_backward}|inference={is_inference}"
@@ -64,11 +77,7 @@ class AtenPieceCompiler:
         example_inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
         start = time.perf_counter()
         fn, strides = compat.compile_aten_graph(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
-        elapsed = time.perf_counter() - start
-        counters.compile_seconds += elapsed
-        counters.inductor_compiles += 1
-        counters.compiles_by_variant["general"] += 1
-        log.debug("compiled %s in %.2f s", label, elapsed)
+        self._count(time.perf_counter() - start, label)
         piece = CompiledAtenPiece(fn, single, strides)
         if self.dedup:
             self._memo[key] = piece
