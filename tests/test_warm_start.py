@@ -222,6 +222,7 @@ def test_first_call_other_dtype_or_mode_never_runs_the_saved_program(tmp_path, f
 
 
 @aot_only
+@torch.no_grad()  # an inference program (2.11: a training graph's dynamic program is traced again, not loaded)
 def test_int_argument_specialized_by_dynamo_is_guarded(tmp_path, fx_pieces):
     model, x = Shift(), torch.randn(4, 8)
     cfg = CompileConfig(cache_dir=str(tmp_path), progress_bar=False)
