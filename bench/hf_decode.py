@@ -74,31 +74,73 @@ COMPILED = COLUMNS[1:]
 SDPA = "aten::scaled_dot_product_attention"
 
 
-def llama_config(smoke: bool, kv_heads: int | None = None):
-    from transformers import LlamaConfig
+# Common served shapes, built from configs (random weights, nothing downloaded): name -> (family, fields).
+# Each is its family's published config, trimmed to what shapes the step (layers, widths, heads, vocab).
+MODELS = {
+    "llama-1b": ("llama", dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                               num_attention_heads=16, num_key_value_heads=16)),  # the bench shape (MHA)
+    "llama3-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0)),
+    "mistral-7b": ("mistral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, sliding_window=None)),
+    "qwen2-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2-1.5b": ("qwen2", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                 num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)),
+    "gemma-2b": ("gemma", dict(vocab_size=32000, hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
+                               num_attention_heads=8, num_key_value_heads=1, head_dim=256)),  # MQA, GELU, 32k vocab
+    "phi3-mini": ("phi3", dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False)),
+}
+_SMOKE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 
+
+def model_config(name: str = "llama-1b", smoke: bool = False, kv_heads: int | None = None):
+    """A transformers config of MODELS[name] (smoke: the same family, tiny); kv_heads overrides the
+    preset's key/value heads."""
+    import transformers
+
+    family, fields = MODELS[name]
+    fields = dict(fields)
     if smoke:
-        return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=kv_heads or 4, max_position_embeddings=64,
-                           attn_implementation="sdpa")
-    return LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-                       num_attention_heads=16, num_key_value_heads=kv_heads or 16, max_position_embeddings=4096,
-                       attn_implementation="sdpa")
+        fields.update(_SMOKE, num_key_value_heads=kv_heads or (2 if fields["num_key_value_heads"] < fields[
+            "num_attention_heads"] else 4), head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif kv_heads:
+        fields["num_key_value_heads"] = kv_heads
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
+           "gemma": transformers.GemmaConfig, "phi3": transformers.Phi3Config}[family]
+    return cls(max_position_embeddings=8192, attn_implementation="sdpa", **fields)
+
+
+def llama_config(smoke: bool, kv_heads: int | None = None):
+    return model_config("llama-1b", smoke, kv_heads)
+
+
+def describe_model(config) -> str:
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    return (f"{config.model_type} {config.num_hidden_layers}x{config.hidden_size}, heads {heads}/{kv}, "
+            f"MLP {config.intermediate_size}, vocab {config.vocab_size}"
+            f"{', tied' if getattr(config, 'tie_word_embeddings', False) else ''}")
 
 
 class Setup:
     """The model, and per batch size its prefilled StaticCache, step tokens and position reset."""
 
     def __init__(self, args):
-        from transformers import LlamaForCausalLM, StaticCache
+        from transformers import AutoModelForCausalLM, StaticCache
 
         self.device = "cpu" if args.smoke else "cuda"
         dtype = torch.float32 if args.smoke else torch.bfloat16
         self.context = 16 if args.smoke else getattr(args, "context", None) or 256
-        config = llama_config(args.smoke, getattr(args, "kv_heads", None))
+        config = model_config(getattr(args, "model", None) or "llama-1b", args.smoke, getattr(args, "kv_heads", None))
         torch.manual_seed(0)
-        with torch.device(self.device):  # initialise the weights where they live (fast on a GPU)
-            self.model = LlamaForCausalLM(config).to(dtype).eval()
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # built in its dtype: an 8B model never exists in float32
+        try:
+            with torch.device(self.device):  # initialise the weights where they live (fast on a GPU)
+                self.model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+        finally:
+            torch.set_default_dtype(default_dtype)
         self.caches, self.tokens, self.lengths, self.starts = {}, {}, {}, {}
         g = torch.Generator().manual_seed(1)
         for b in args.batches:

@@ -2,9 +2,13 @@
 
     python bench/inference_floor.py [--batches 1,8,32] [--rounds 3] [--iters 30] [--autotune]
                                     [--serving] [--smoke] [--breakdown] [--kv-heads 4] [--context 2048]
+                                    [--models llama-1b,llama3-8b,qwen2-1.5b,...]
 
-Model and caches as bench/hf_decode.py (16 layers, hidden 2048, MLP 5632, bf16, a StaticCache per
-batch holding context - 1 tokens; one decode step per call). Floor = the bytes a step must read
+Models and caches as bench/hf_decode.py (`--models`: its MODELS, common served shapes from 0.5B to 8B
+built from configs with random weights; default the bench shape llama-1b, 16 layers, hidden 2048, MLP
+5632), bf16, a StaticCache per batch holding context - 1 tokens; one decode step per call. With several
+models, a summary table last: every model and batch, each column's x floor and x ro, and whether each
+column's latency is monotone in batch (a smaller batch never slower than a larger one). Floor = the bytes a step must read
 (every weight but the embedding table, and the whole static KV cache, which SDPA reads masked) /
 device-to-device copy bandwidth measured here (read + write bytes).
 
@@ -195,7 +199,7 @@ def kernel_breakdown(name: str, b: int, step, steps: int = 4, top: int = 40) -> 
                  for p, e in zip(last[middle - 1:], layer)])
 
 
-def step_table(args, setup, bandwidth: float) -> None:
+def step_table(args, setup, bandwidth: float) -> list[list]:
     root = tempfile.mkdtemp(prefix="torch_ext_floor_")
     columns = [c for c in ["eager", "ro", "ro-freeze", "ext", "ext-cublas", "ext-nopdl", "ext-plain", "ext-pdl",
                               "ext-combo", "ext-nocombo", "ext-nofuse", "ext-nocg", "ext-nocg-nofuse",
@@ -253,12 +257,31 @@ def step_table(args, setup, bandwidth: float) -> None:
                     setup.reset(b)
                 kernel_breakdown(name, b, one)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke: timings say nothing)"
-    config = setup.model.config
-    print(f"\nDecode step, HF Llama {config.num_hidden_layers}x{config.hidden_size} bf16, "
-          f"{config.num_attention_heads} heads / {config.num_key_value_heads} kv heads, context {setup.context}, "
+    print(f"\nDecode step, {H.describe_model(setup.model.config)}, bf16, context {setup.context}, "
           f"{device}, torch {torch.__version__}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
           f"{args.rounds} interleaved rounds of {args.iters} steps")
     print_table(["batch", "column", "GPU ms", "x floor", "x ro", "kernels", "GEMMs", f"logits err b={error_batch}"], rows)
+    return rows
+
+
+def summary_table(results: dict[str, list[list]]) -> None:
+    """Every model's rows in one table (x floor, x ro per column), and latency monotone in batch per column."""
+    columns = list(dict.fromkeys(r[1] for rows in results.values() for r in rows if r[1] != "floor"))
+    table, monotone = [], {c: [] for c in columns}
+    for model, rows in results.items():
+        by = {(r[0], r[1]): r for r in rows}
+        batches = sorted({r[0] for r in rows})
+        for b in batches:
+            table.append([model, b, by[(b, "floor")][2]] + [
+                f"{by[(b, c)][3]} / {by[(b, c)][4]}" if (b, c) in by else "" for c in columns])
+        for c in columns:
+            ms = [float(by[(b, c)][2]) for b in batches if (b, c) in by]
+            if any(a > later for a, later in zip(ms, ms[1:])):
+                monotone[c].append(model)
+    print("\nAll models: x floor / x ro per column")
+    print_table(["model", "batch", "floor ms"] + columns, table)
+    for c in columns:
+        print(f"{c}: latency monotone in batch on {'every model' if not monotone[c] else 'all but ' + ', '.join(monotone[c])}")
 
 
 def serving_table(args, setup) -> None:
@@ -306,6 +329,7 @@ def main() -> int:
     parser.add_argument("--no-decode-attention", action="store_true", help="ext without torch_ext's decode kernel")
     parser.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention: 16 heads share these")
     parser.add_argument("--context", type=int, default=None, help="cache length (default 256)")
+    parser.add_argument("--models", default="llama-1b", help="any of " + ",".join(H.MODELS))
     parser.add_argument("--columns", default="eager,ro,ro-freeze,ext,ext-plain",
                         help="any of eager,ro,ro-freeze,ext,ext-cublas,ext-nopdl,ext-plain,ext-pdl,ext-combo,ext-nocombo,ext-nofuse,ext-nocg,ext-nocg-nofuse,ext-rows1; ro is always run (x ro); --autotune adds "
                              "autotune and ext-autotune")
@@ -333,12 +357,21 @@ def main() -> int:
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = dynamo.accumulated_recompile_limit = 64
     batches = sorted(set(args.batches) | (set(CAPTURE) if args.serving or args.serving_only else set()))
-    setup = H.Setup(argparse.Namespace(batches=batches, smoke=args.smoke, kv_heads=args.kv_heads,
-                                       context=args.context))
-    if not args.serving_only:
-        step_table(args, setup, copy_bandwidth() if not args.smoke else 1e10)
-    if args.serving or args.serving_only:
-        serving_table(args, setup)
+    bandwidth = copy_bandwidth() if not args.smoke else 1e10
+    results = {}
+    for model in args.models.split(","):
+        setup = H.Setup(argparse.Namespace(batches=batches, smoke=args.smoke, kv_heads=args.kv_heads,
+                                           context=args.context, model=model))
+        if not args.serving_only:
+            results[model] = step_table(args, setup, bandwidth)
+        if args.serving or args.serving_only:
+            serving_table(args, setup)
+        del setup
+        torch._dynamo.reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if len(results) > 1:
+        summary_table(results)
     return 0
 
 
