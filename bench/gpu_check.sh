@@ -19,6 +19,8 @@
 #   bash bench/gpu_check.sh mma     the CUDA decode-linear path's GPU tests (stop at the first failure), then
 #                                   python bench/dev/decode_linear_op.py (extra args go to it)
 #   bash bench/gpu_check.sh regional  python bench/dev/regional_cudagraphs.py (extra args go to it), then the GPU tests
+#   bash bench/gpu_check.sh memory  python bench/dev/memory_held.py (what compiled decode holds; extra args go to it)
+#   bash bench/gpu_check.sh run CMD...  any command after the install (one call, several steps)
 # Logs go to $OUT (or /tmp/torch_ext_gpu).
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -61,6 +63,8 @@ case "$what" in
   mma) timeout 240 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_decode_linear_mma_gpu.py 2>&1 \
          | tee "$OUT/decode_linear_mma_gpu_tests.log" | tail -15
        timeout "${MMA_TIMEOUT:-300}" python3 bench/dev/decode_linear_op.py "$@" 2>&1 | tee "$OUT/decode_linear_op.log" ;;
+  memory) timeout "${MEMORY_TIMEOUT:-400}" python3 bench/dev/memory_held.py "$@" 2>&1 | tee "$OUT/memory_held.log" ;;
+  run) "$@" ;;
   hfgen) timeout "${HF_TIMEOUT:-540}" python3 bench/hf_generate.py "$@" 2>&1 | tee "$OUT/hf_generate.log" ;;
   hfprofile) timeout "${HF_TIMEOUT:-420}" python3 bench/dev/hf_decode_profile.py "$@" 2>&1 | tee "$OUT/hf_profile.log" ;;
   profile) timeout 250 python3 bench/dev/decode_profile.py 2>&1 | tee "$OUT/profile.log"

@@ -104,3 +104,31 @@ def test_hf_llama_decode_with_the_kernel_matches_eager_and_follows_weight_update
         return
     # Every projection of every decode graph: merged q/k/v and gate/up, o, down, and lm_head.
     assert counters.decode_linear_calls == (4 * model.config.num_hidden_layers + 1) * counters.graphs_seen
+
+
+@pytest.mark.parametrize("rows,n,k,dtype,bias", [(1, 6144, 2048, torch.bfloat16, False), (8, 2048, 5632, torch.bfloat16, False),
+                                                 (1, 2304, 1536, torch.float16, True), (32, 17920, 1536, torch.bfloat16, False),
+                                                 (1, 512, 320, torch.float32, False)])
+def test_tuning_times_every_candidate_and_each_computes_linear(tmp_path, rows, n, k, dtype, bias):
+    """On this GPU every candidate of a shape is timed (cuBLAS first), each one's result equals a float64
+    reference, and the winner, written into the op's config, computes the same; a second tuner reads
+    the choice back from the file."""
+    from torch_ext.kernels import decode_linear_tuning as tuning
+
+    shape, device = tuning.Shape(rows, n, k, dtype, bias), torch.device("cuda")
+    choices = tuning.candidates(shape, device)
+    assert choices[0].path == "cublas" and (len(choices) > 1) == (k % 64 == 0)
+    times = tuning.measure_cuda(shape, choices, device)
+    assert set(times) == set(choices) and all(t > 0 for t in times.values())
+    tuning.Tuner._memo.clear()
+    choice = tuning.Tuner(str(tmp_path)).choose(shape, device)
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(rows, k, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5
+    b = torch.randn(n, device="cuda", dtype=dtype, generator=g) if bias else None
+    for c in choices:
+        out = torch.ops.torch_ext.decode_linear(x, w, b, True, config=c.encode())
+        assert _error(out, x, w, b) < (1e-2 if dtype != torch.float32 else 1e-5), c
+    tuning.Tuner._memo.clear()
+    assert tuning.Tuner(str(tmp_path), measure=lambda *a: {}).choose(shape, device) == choice
+    print(f"tuned {shape.key()}: {choice} ({', '.join(f'{c.path}{list(c.config)} {t:.1f} us' for c, t in times.items())})")

@@ -217,6 +217,10 @@ class CompileConfig:
     # Those calls also run the RMSNorm before them, silu(gate) * up before them and the residual add
     # after them, where the graph has HF's forms (rewrite/decode_linear_fusion.py): fewer kernels.
     decode_linear_fusion: bool = True
+    # Pick each decode_linear shape's kernel by timing the candidates (cuBLAS among them) on this GPU when
+    # it is compiled; kept under cache_dir/tuning per GPU model (kernels/decode_linear_tuning.py). False:
+    # the kernels' built-in configs, tuned by hand on an H100.
+    kernel_tuning: bool = True
     # tqdm progress bars while compiling several pieces (None: only on a terminal).
     progress_bar: bool | None = None
     # CUDA graphs (docs/guide/cuda-graphs.md): "none", "piecewise" (a graph per compiled piece, splitting
@@ -298,7 +302,7 @@ class CompileConfig:
         set_("debug_dump_dir", os.path.abspath(os.path.expanduser(dump)) if dump else None)
 
         for flag in ("dedup", "cudagraph_check_addresses", "guard_free_dispatch", "unfuse_output_addmm",
-                     "merge_projections", "decode_linear_fusion", "differentiate_once"):
+                     "merge_projections", "decode_linear_fusion", "differentiate_once", "kernel_tuning"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(flag, f"expected True or False, got {getattr(self, flag)!r}", f"Write {flag}=True")
         for flag in ("decode_attention", "decode_linear"):
@@ -377,6 +381,7 @@ class CompileConfig:
             "decode_attention": self.uses("decode_attention"),
             "decode_linear": self.uses("decode_linear"),
             "decode_linear_fusion": self.decode_linear_fusion,
+            "kernel_tuning": self.kernel_tuning,
             # Pass identity also goes into every artifact key through PassManager.uuid().
             "post_grad_passes": [_qualified_name(p) for p in self.post_grad_passes],
         }

@@ -1,7 +1,8 @@
 """`torch.ops.torch_ext.decode_linear`: F.linear for a few rows (a decode step's projections), at
 memory bandwidth.
 
-    decode_linear(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None, gate=None)
+    decode_linear(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None, gate=None,
+                  config=None)
         -> gated(F.linear(prologue(x), weight, bias)) (+ residual)
         x: (..., K); weight (N, K); bias None or (N,).
         prefetch: the weight is written by no kernel of the graph the call runs in, and a kernel of
@@ -15,6 +16,9 @@ memory bandwidth.
         and its product, at 2..MAX_ROWS rows; the rewrite uses it where GATE_EPILOGUE_ROWS says).
         residual then has the product's shape.
         residual (..., N or width): added to the output (a residual stream's add).
+        config: the kernel and its launch config, as measured for this shape on this GPU
+        (kernels/decode_linear_tuning.py: [1, BLOCK_N, BLOCK_K, PRE_K, warps] the Triton GEMV, [2, features
+        a block / 16, warps, chunks, x mode] the CUDA path); None: the defaults below.
 
 The fused parts (rewrite/decode_linear_fusion.py puts them in) save a decode layer the launches and
 round trips of its norms, its gate and its residual adds (at 2..MAX_ROWS rows its residual adds).
@@ -37,6 +41,7 @@ import functools
 import torch
 
 from torch_ext.kernels import decode_linear_mma as mma  # its functions looked up per call: tests wrap them
+from torch_ext.kernels import decode_linear_tuning as tuning
 from torch_ext.kernels.fused_add_rms_norm import has_triton
 from torch_ext.kernels.launch_policy import runs_reference
 
@@ -78,33 +83,40 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @torch.library.custom_op("torch_ext::decode_linear", mutates_args=())
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prefetch: bool,
                   norm_weight: torch.Tensor | None = None, eps: float = 0.0, up: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None, gate: list[int] | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, gate: list[int] | None = None,
+                  config: list[int] | None = None) -> torch.Tensor:
     """Every device without the kernel: the eager formulation."""
     return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual, gate)
 
 
 @decode_linear.register_fake
-def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None, gate=None):
+def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None, gate=None, config=None):
     _check_gate(gate, weight.shape[0])
+    tuning.decode(config)  # a config naming no kernel fails at compile time
     return x.new_empty((*x.shape[:-1], weight.shape[0] if gate is None else gate[2]))
 
 
 @decode_linear.register_kernel("cuda")
-def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None, gate=None):
+def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None, gate=None, config=None):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if runs_reference("decode_linear") or not 0 < rows <= MAX_ROWS:
         return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual, gate)
-    if rows > 1 or gate is not None:  # the CUDA path (Triton's multi-row paths lose to cuBLAS: the docstring)
-        if mma.mma_takes(x, weight, bias, norm_weight, up, residual, gate):
+    choice = tuning.decode(config)
+    # The CUDA path: where measured fastest, else (defaults) at 2..MAX_ROWS rows or with a gate; Triton's
+    # multi-row paths lost to cuBLAS (the docstring). A Triton choice serves one row without a gate.
+    triton_row = choice.path == "triton" if choice else rows == 1 and gate is None
+    if not triton_row or rows > 1 or gate is not None:
+        if not triton_row and mma.mma_takes(x, weight, bias, norm_weight, up, residual, gate):
             return mma.decode_linear_mma(x, weight, bias, prefetch, norm_weight=norm_weight, eps=eps, up=up,
-                                         residual=residual, gate=gate)
+                                         residual=residual, gate=gate, config=choice.config if choice else None)
         return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual, gate)
     if not (has_triton() and kernel_takes(x, weight, bias, norm_weight, up, residual)):
         return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual)
     from torch_ext.kernels.pdl_kernels import has_pdl
 
-    return decode_linear_triton(x, weight, bias, prefetch and has_pdl(x.device), norm_weight=norm_weight, eps=eps,
-                                up=up, residual=residual)
+    overrides = dict(zip(("BLOCK_N", "BLOCK_K", "PRE_K", "num_warps"), choice.config)) if choice else None
+    return decode_linear_triton(x, weight, bias, prefetch and has_pdl(x.device), overrides, norm_weight=norm_weight,
+                                eps=eps, up=up, residual=residual)
 
 
 def decode_linear_reference(x, weight, bias, norm_weight=None, eps: float = 0.0, up=None, residual=None, gate=None):

@@ -13,6 +13,7 @@ from torch_ext.backend.counters import counters
 from torch_ext.backend.rewrite.decode_attention import use_decode_attention
 from torch_ext.backend.rewrite.decode_linear import use_decode_linear
 from torch_ext.backend.rewrite.decode_linear_fusion import fuse_into_decode_linear
+from torch_ext.kernels.decode_linear_tuning import Tuner
 
 
 def decode_rewrites(gm: fx.GraphModule, config: CompileConfig, is_splitting: Callable[[fx.Node], bool]) -> int:
@@ -23,7 +24,7 @@ def decode_rewrites(gm: fx.GraphModule, config: CompileConfig, is_splitting: Cal
         counters.decode_attention_calls += found
         changed += found
     if config.uses("decode_linear"):
-        found = use_decode_linear(gm)
+        found = use_decode_linear(gm, Tuner(config.cache_dir) if config.kernel_tuning else None)
         counters.decode_linear_calls += found
         changed += found
         if config.decode_linear_fusion:

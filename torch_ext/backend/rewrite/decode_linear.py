@@ -7,6 +7,10 @@ DTensor computes its own linear), input, weight, bias and output of one dtype (u
 computes in another; the op is not on autocast's lists). Where the kernel cannot take the tensors
 it meets at run time (say a weight made non-contiguous later), the op runs F.linear.
 
+With a tuner (CompileConfig.kernel_tuning), each shape's kernel is the one measured fastest on this
+GPU (kernels/decode_linear_tuning.py): where cuBLAS won, the linear stays; otherwise the call carries
+the winner in its `config` argument.
+
 The op may load its first weight columns before the kernel before it has finished (programmatic
 dependent launch). That is safe only where no kernel that may run right before it writes the weight:
 the weight is a graph input whose every user is a linear or an embedding (nothing in the graph
@@ -25,6 +29,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch_ext.backend.rewrite.decode_attention import SDPA_TARGETS, example_value
 from torch_ext.backend.rewrite.merge_projections import LINEAR_TARGETS
 from torch_ext.kernels import decode_linear as op_module  # registers the op: also where a saved graph calling it loads
+from torch_ext.kernels.decode_linear_tuning import Shape, Tuner
 
 log = logging.getLogger("torch_ext.backend")
 
@@ -76,8 +81,9 @@ def _read_only_input(node) -> bool:
     return isinstance(node, fx.Node) and node.op == "placeholder" and all(_reads_only(u) for u in node.users)
 
 
-def decode_call(node: fx.Node) -> dict | None:
-    """The op's arguments (x, weight, bias, prefetch) for a linear call of a few rows, else None."""
+def decode_call(node: fx.Node, tuner: Tuner | None = None) -> dict | None:
+    """The op's arguments (x, weight, bias, prefetch, config) for a linear call of a few rows, else None
+    (also where the tuner measured cuBLAS fastest)."""
     if node.op != "call_function" or node.target not in LINEAR_TARGETS:
         return None
     if len(node.args) > 3 or any(k not in _PARAMS for k in node.kwargs):
@@ -92,24 +98,32 @@ def decode_call(node: fx.Node) -> dict | None:
         return None
     if not all(isinstance(s, int) for s in (*x.shape, *w.shape)):  # symbolic rows: any count may come
         return None
-    if not op_module.serves(math.prod(x.shape[:-1]), x.dtype, x.device) or not all(t.dtype == x.dtype for t in tensors):
+    rows = math.prod(x.shape[:-1])
+    if not op_module.serves(rows, x.dtype, x.device) or not all(t.dtype == x.dtype for t in tensors):
+        return None
+    choice = tuner.choose(Shape(rows, w.shape[0], w.shape[1], x.dtype, b is not None), x.device) if tuner else None
+    if choice is not None and choice.path == "cublas":
         return None
     prefetch = (_read_only_input(w_node) and (b_node is None or _read_only_input(b_node))
                 and isinstance(x_node, fx.Node) and computed_in_graph(x_node))
-    return {"x": x_node, "weight": w_node, "bias": b_node, "prefetch": prefetch}
+    return {"x": x_node, "weight": w_node, "bias": b_node, "prefetch": prefetch,
+            "config": choice.encode() if choice else None}
 
 
-def use_decode_linear(gm: fx.GraphModule) -> int:
+def use_decode_linear(gm: fx.GraphModule, tuner: Tuner | None = None) -> int:
     """Replace every linear call of a few rows of gm's graph (in place: no placeholder changes) by
     torch_ext::decode_linear; returns how many."""
     op = torch.ops.torch_ext.decode_linear.default
     replaced = prefetching = 0
     for node in list(gm.graph.nodes):
-        call = decode_call(node)
+        call = decode_call(node, tuner)
         if call is None:
             continue
+        args = (call["x"], call["weight"], call["bias"], call["prefetch"])
+        if call["config"] is not None:  # by position after the fused parts' defaults (the fusion keeps it there)
+            args += (None, 0.0, None, None, None, call["config"])
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(op, (call["x"], call["weight"], call["bias"], call["prefetch"]))
+            new = gm.graph.call_function(op, args)
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)

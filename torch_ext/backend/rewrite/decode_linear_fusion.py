@@ -41,8 +41,8 @@ from torch_ext.kernels import decode_linear as op_module
 log = logging.getLogger("torch_ext.backend")
 
 _CONVERSIONS = {"to", "float", "type_as", "half", "bfloat16"}
-# decode_linear's arguments by position: (x, weight, bias, prefetch, norm_weight, eps, up, residual, gate)
-_X, _PREFETCH, _NORM_WEIGHT, _EPS, _UP, _RESIDUAL, _GATE = 0, 3, 4, 5, 6, 7, 8
+# decode_linear's arguments by position: (x, weight, bias, prefetch, norm_weight, eps, up, residual, gate, config)
+_X, _PREFETCH, _NORM_WEIGHT, _EPS, _UP, _RESIDUAL, _GATE, _CONFIG = 0, 3, 4, 5, 6, 7, 8, 9
 
 
 def _op():
@@ -50,7 +50,7 @@ def _op():
 
 
 def _full_args(call: fx.Node) -> list:
-    """The call's arguments, all nine by position (the optional ones' defaults from the op's schema)."""
+    """The call's arguments, all ten by position (the optional ones' defaults from the op's schema)."""
     optional = _op()._schema.arguments[_NORM_WEIGHT:]
     args = list(call.args) + [a.default_value for a in optional][len(call.args) - _NORM_WEIGHT:]
     for i, a in enumerate(optional, start=_NORM_WEIGHT):
@@ -210,8 +210,11 @@ def _still_safe(args: list) -> tuple:
 
 
 def _positional(args: list) -> tuple:
-    """The arguments, without a gate left unset (graphs without one print as before it existed)."""
-    return tuple(args[:_GATE] if args[_GATE] is None else args)
+    """The arguments, without a gate and config left unset (graphs without them print as before they
+    existed)."""
+    if args[_CONFIG] is not None:
+        return tuple(args)
+    return tuple(args[:_GATE] if args[_GATE] is None else args[:_CONFIG])
 
 
 def _erase(gm: fx.GraphModule, nodes: list) -> None:

@@ -1,0 +1,138 @@
+"""kernels/decode_linear_tuning.py: each decode_linear shape's kernel chosen by measurement, cuBLAS
+among the candidates, kept on disk per GPU model; and what the rewrite does with the choice.
+
+The timing itself needs a GPU (test_decode_linear_gpu.py); here a stand-in measure function says
+which candidate is fastest, so the choice, the file and the graph can be checked on the CPU (where
+the op runs F.linear)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from torch_ext.backend.rewrite import decode_linear as rewrite
+from torch_ext.backend.rewrite.decode_linear_fusion import fuse_into_decode_linear
+from torch_ext.kernels import decode_linear_tuning as tuning
+from test_decode_linear import _calls, _graph
+from test_decode_linear_fusion import Layer
+
+MMA = tuning.Choice("mma", (1, 8, 1, 2))
+TRITON = tuning.Choice("triton", (4, 64, 64, 4))
+CUBLAS = tuning.Choice("cublas")
+
+
+class Measure:
+    """Stand-in timings: `fastest` takes 1 us, every other candidate 2; counts the shapes measured."""
+
+    def __init__(self, fastest: tuning.Choice):
+        self.fastest, self.shapes = fastest, []
+
+    def __call__(self, shape, choices, device):
+        self.shapes.append(shape)
+        return {c: 1.0 if c == self.fastest else 2.0 for c in choices}
+
+
+def _tuner(directory, measure):
+    return tuning.Tuner(directory, measure=measure, candidates=lambda shape, device: [CUBLAS, TRITON, MMA],
+                        file_name=lambda device: "decode_linear-test-gpu.json")
+
+
+@pytest.fixture(autouse=True)
+def fresh_memo(monkeypatch):
+    monkeypatch.setattr(tuning.Tuner, "_memo", {})
+    monkeypatch.setattr(tuning.Tuner, "_warned", set())
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+
+
+@pytest.mark.parametrize("fastest", [MMA, TRITON])
+def test_the_fastest_kernel_is_written_into_each_call_and_results_equal_eager(tmp_path, fastest):
+    gm, inputs = _graph(Layer().to(torch.bfloat16).eval(), torch.randn(1, 1, 64, dtype=torch.bfloat16))
+    with torch.no_grad():
+        expected = gm(*inputs)
+    measure = Measure(fastest)
+    assert rewrite.use_decode_linear(gm, _tuner(str(tmp_path), measure)) == 5
+    assert [c.args[9] for c in _calls(gm)] == [fastest.encode()] * 5
+    # Four distinct shapes (qkv and o are both 64 x 64, one with a bias), each measured once.
+    assert sorted(s.key() for s in measure.shapes) == ["1,128,64,bfloat16,0", "1,64,128,bfloat16,0",
+                                                        "1,64,64,bfloat16,0", "1,64,64,bfloat16,1"]
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs), expected, rtol=0, atol=0)
+
+
+def test_where_cublas_is_fastest_the_linear_stays(tmp_path):
+    gm, _ = _graph(Layer().to(torch.bfloat16).eval(), torch.randn(1, 1, 64, dtype=torch.bfloat16))
+    assert rewrite.use_decode_linear(gm, _tuner(str(tmp_path), Measure(CUBLAS))) == 0
+    assert not _calls(gm)
+
+
+def test_fusion_keeps_the_measured_kernel(tmp_path):
+    """The norms, gate and residual adds folded into a tuned call keep its config argument."""
+    gm, inputs = _graph(Layer().to(torch.bfloat16).eval(), torch.randn(1, 1, 64, dtype=torch.bfloat16))
+    with torch.no_grad():
+        expected = gm(*inputs)
+    rewrite.use_decode_linear(gm, _tuner(str(tmp_path), Measure(MMA)))
+    assert fuse_into_decode_linear(gm) > 0
+    assert all(len(c.args) == 10 and c.args[9] == MMA.encode() for c in _calls(gm))
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs), expected)
+
+
+def test_choices_are_kept_on_disk_and_a_damaged_file_is_measured_again(tmp_path, caplog):
+    shape = tuning.Shape(1, 128, 64, torch.bfloat16, False)
+    first = Measure(MMA)
+    assert _tuner(str(tmp_path), first).choose(shape, torch.device("cpu")) == MMA
+    (path,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs]
+    assert json.load(open(path))["shapes"][shape.key()]["path"] == "mma"
+
+    tuning.Tuner._memo.clear()  # a new process: the file answers, nothing is measured
+    again = Measure(TRITON)
+    assert _tuner(str(tmp_path), again).choose(shape, torch.device("cpu")) == MMA and again.shapes == []
+
+    tuning.Tuner._memo.clear()
+    with open(path, "w") as f:
+        f.write('{"format": 1, "shapes": {')  # cut short
+    caplog.set_level(logging.WARNING, logger="torch_ext")
+    third = Measure(TRITON)
+    assert _tuner(str(tmp_path), third).choose(shape, torch.device("cpu")) == TRITON and third.shapes == [shape]
+    assert "damaged kernel tuning file" in caplog.text
+    assert json.load(open(path))["shapes"][shape.key()]["path"] == "triton"  # rewritten whole
+
+
+def test_a_stored_choice_this_code_cannot_run_is_measured_again(tmp_path):
+    shape = tuning.Shape(1, 128, 64, torch.bfloat16, False)
+    _tuner(str(tmp_path), Measure(MMA)).choose(shape, torch.device("cpu"))
+    (path,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs]
+    data = json.load(open(path))
+    data["shapes"][shape.key()]["config"] = [9, 9, 9, 9]  # valid JSON, not a candidate
+    json.dump(data, open(path, "w"))
+    tuning.Tuner._memo.clear()
+    measure = Measure(TRITON)
+    assert _tuner(str(tmp_path), measure).choose(shape, torch.device("cpu")) == TRITON and measure.shapes == [shape]
+
+
+def test_without_a_directory_choices_live_in_the_process(tmp_path):
+    shape = tuning.Shape(4, 64, 64, torch.float16, True)
+    measure = Measure(MMA)
+    assert _tuner(None, measure).choose(shape, torch.device("cpu")) == MMA
+    assert _tuner(None, measure).choose(shape, torch.device("cpu")) == MMA and len(measure.shapes) == 1
+    assert not os.listdir(tmp_path)
+
+
+def test_off_cuda_the_default_tuner_measures_nothing():
+    """The real measure needs a GPU: elsewhere the op keeps its defaults (no config in the call)."""
+    gm, _ = _graph(Layer().eval(), torch.randn(1, 1, 64))
+    assert rewrite.use_decode_linear(gm, tuning.Tuner(None)) == 5
+    assert all(len(c.args) == 4 for c in _calls(gm))
+
+
+def test_a_config_naming_no_kernel_is_refused():
+    x, w = torch.randn(1, 64), torch.randn(8, 64)
+    with pytest.raises(ValueError, match="names no kernel path"):
+        with torch._subclasses.fake_tensor.FakeTensorMode():
+            torch.ops.torch_ext.decode_linear(torch.empty(1, 64), torch.empty(8, 64), None, False, config=[7, 1])
+    # The reference (every device without the kernel) ignores the config: F.linear.
+    torch.testing.assert_close(torch.ops.torch_ext.decode_linear(x, w, None, False, config=MMA.encode()),
+                               torch.nn.functional.linear(x, w))

@@ -1,0 +1,263 @@
+"""Which kernel serves a decode_linear shape, chosen by timing the candidates on this GPU.
+
+A shape is (rows, N, K, dtype, bias). Its candidates: cuBLAS (F.linear), the Triton GEMV (one row),
+and the CUDA tensor-core path (kernels/decode_linear_mma.py) under its default config and a few
+others. Each candidate that computes the right result is timed in a CUDA graph over enough copies of
+the weight that they do not fit in L2 (a decode step reads its weights from HBM), and the fastest
+wins. cuBLAS is always a candidate, so a shape or GPU nobody tuned by hand never gets a kernel that
+loses to it. The rewrite (backend/rewrite/decode_linear.py) leaves the linear alone where cuBLAS wins
+and otherwise writes the winner into the op's call (`encode`), so a saved graph brings its choice back.
+
+Results are kept per process and, with a directory, in one JSON file per GPU model, torch, Triton and
+kernel source; a damaged file is said once and measured again, never trusted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+import threading
+import time
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("torch_ext.backend")
+
+PATHS = {"triton": 1, "mma": 2}  # the op's `config` argument starts with one of these
+# Other CUDA-path configs timed beside the default: (features a block / 16, warps, chunks in flight, x mode).
+MMA_ALTERNATIVES = ((1, 16, 1, 2), (1, 8, 1, 2), (1, 8, 1, 1), (1, 4, 1, 1))
+_FORMAT = 1  # bump when what a result means changes
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    rows: int
+    n: int
+    k: int
+    dtype: torch.dtype
+    bias: bool
+
+    def key(self) -> str:
+        return f"{self.rows},{self.n},{self.k},{str(self.dtype).removeprefix('torch.')},{int(self.bias)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    path: str  # "cublas", "triton" or "mma"
+    config: tuple[int, ...] = ()
+
+    def encode(self) -> list[int] | None:
+        """The op's `config` argument (None for cuBLAS: the rewrite leaves that linear alone)."""
+        return None if self.path == "cublas" else [PATHS[self.path], *self.config]
+
+
+def decode(config: list[int] | None) -> Choice | None:
+    """The op's `config` argument back as a Choice (None: the op's defaults)."""
+    if not config:
+        return None
+    path = {v: k for k, v in PATHS.items()}.get(int(config[0]))
+    if path is None:
+        raise ValueError(f"decode_linear: config {list(config)} names no kernel path (first entry 1 Triton, 2 CUDA)")
+    return Choice(path, tuple(int(c) for c in config[1:]))
+
+
+def candidates(shape: Shape, device: torch.device) -> list[Choice]:
+    """cuBLAS first, then the op's kernels that may take the shape on this device."""
+    from torch_ext.kernels import decode_linear as op, decode_linear_mma as mma
+
+    out = [Choice("cublas")]
+    if shape.k % 64:
+        return out
+    if shape.rows == 1 and op.has_triton():
+        out.append(Choice("triton", tuple(op.config(shape.k).values())))
+    if (shape.dtype in (torch.float16, torch.bfloat16) and shape.rows <= mma.MMA_MAX_ROWS
+            and torch.cuda.get_device_capability(device) >= (8, 0)):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        configs = [mma._full(mma.default_config(shape.n, index, shape.rows)), *MMA_ALTERNATIVES]
+        out += [Choice("mma", c) for c in dict.fromkeys(configs)]
+    return out
+
+
+def _run(choice: Choice, x, weight, bias):
+    from torch_ext.kernels import decode_linear as op, decode_linear_mma as mma
+    from torch_ext.kernels.pdl_kernels import has_pdl
+
+    if choice.path == "cublas":
+        return torch.nn.functional.linear(x, weight, bias)
+    pdl = has_pdl(x.device)  # as in a model, where most projections prefetch their weights
+    if choice.path == "triton":
+        names = ("BLOCK_N", "BLOCK_K", "PRE_K", "num_warps")
+        return op.decode_linear_triton(x, weight, bias, pdl, dict(zip(names, choice.config)))
+    return mma.decode_linear_mma(x, weight, bias, pdl, config=choice.config)
+
+
+def measure_cuda(shape: Shape, choices: list[Choice], device: torch.device) -> dict[Choice, float]:
+    """Microseconds per call of each choice that computes F.linear right (others are left out)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.no_grad(), torch.cuda.device(device):
+        props = torch.cuda.get_device_properties(device)
+        weight_bytes = shape.n * shape.k * torch.finfo(shape.dtype).bits // 8
+        copies = max(1, min(16, math.ceil(3 * getattr(props, "L2_cache_size", 50 << 20) / weight_bytes)))
+        g = torch.Generator(device=device).manual_seed(0)
+        scale = shape.k ** -0.5
+        weights = [(torch.randn(shape.n, shape.k, device=device, generator=g) * scale).to(shape.dtype)
+                   for _ in range(copies)]
+        bias = torch.randn(shape.n, device=device, generator=g).to(shape.dtype) if shape.bias else None
+        x = torch.randn(shape.rows, shape.k, device=device, generator=g).to(shape.dtype)
+        ref = torch.nn.functional.linear(x.double(), weights[0].double(), None if bias is None else bias.double())
+        times = {}
+        for choice in choices:
+            try:
+                y = _run(choice, x, weights[0], bias)
+                err = ((y.double() - ref).norm() / ref.norm()).item()
+                if not err < 2e-2:  # NaN too: a candidate that is wrong here is never chosen
+                    log.warning("torch_ext: decode_linear candidate %s is wrong on %s (relative error %.2e); "
+                                "left out", choice, shape, err)
+                    continue
+                graph = torch.cuda.CUDAGraph()
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for w in weights:  # warm the launch path on the capture stream
+                        _run(choice, x, w, bias)
+                    with torch.cuda.graph(graph, stream=stream):
+                        for w in weights:
+                            _run(choice, x, w, bias)
+                torch.cuda.current_stream().wait_stream(stream)
+                for _ in range(3):
+                    graph.replay()
+                events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                          for _ in range(10)]
+                for start, end in events:
+                    start.record()
+                    graph.replay()
+                    end.record()
+                torch.cuda.synchronize()
+                ms = sorted(s.elapsed_time(e) for s, e in events)[len(events) // 2]
+                times[choice] = ms * 1e3 / copies
+                del graph
+            except Exception as e:  # noqa: BLE001 - a candidate that cannot run here is not chosen
+                torch.cuda.synchronize()
+                log.info("torch_ext: decode_linear candidate %s failed on %s (%s: %s); left out", choice, shape,
+                         type(e).__name__, str(e)[:200])
+        del weights, x, bias, ref
+    torch.cuda.empty_cache()  # the candidates' copies of the weight: not held as reserved memory afterwards
+    return times
+
+
+@functools.lru_cache(maxsize=None)
+def _source_hash() -> str:
+    """The kernels' sources and this file: a change to any is a new tuning file."""
+    import torch_ext.kernels as kernels
+
+    root = os.path.dirname(kernels.__file__)
+    h = hashlib.sha256(str(_FORMAT).encode())
+    for name in sorted(os.listdir(root)):
+        if name.startswith("decode_linear") and name.endswith(".py"):
+            with open(os.path.join(root, name), "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def _file_name(device: torch.device) -> str:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    props = torch.cuda.get_device_properties(device)
+    gpu = "".join(c if c.isalnum() else "-" for c in props.name)
+    return (f"decode_linear-{gpu}-sm{props.major}{props.minor}-torch{torch.__version__.split('+')[0]}"
+            f"-triton{triton_version}-{_source_hash()}.json")
+
+
+class Tuner:
+    """Choices per shape: from this process, then the directory's file, else measured (and written)."""
+
+    _lock = threading.Lock()
+    _memo: dict[tuple, Choice] = {}  # one per process: every compile shares what was measured
+    _warned: set[str] = set()
+
+    def __init__(self, directory: str | None,
+                 measure: Callable[[Shape, list[Choice], torch.device], dict[Choice, float]] = measure_cuda,
+                 candidates: Callable[[Shape, torch.device], list[Choice]] = candidates,
+                 file_name: Callable[[torch.device], str] = _file_name):
+        self.directory, self.measure, self.candidates, self.file_name = directory, measure, candidates, file_name
+
+    def choose(self, shape: Shape, device: torch.device) -> Choice | None:
+        """The fastest kernel for shape on device; None (the op's defaults) where nothing can be timed."""
+        if device.type != "cuda" and self.measure is measure_cuda:
+            return None
+        with self._lock:
+            name = self.file_name(device)
+            memo_key = (name, shape)
+            if memo_key in self._memo:
+                return self._memo[memo_key]
+            stored = self._load(name).get(shape.key())
+            choice = _from_json(stored)
+            if choice is not None and choice not in self.candidates(shape, device):  # not what this code runs
+                choice = None
+            if choice is None:
+                start = time.perf_counter()
+                times = self.measure(shape, self.candidates(shape, device), device)
+                choice = min(times, key=times.get) if times else Choice("cublas")
+                log.info("torch_ext: decode_linear %s -> %s (%s; tuned in %.2f s)", shape.key(), choice,
+                         ", ".join(f"{c.path}{list(c.config)} {t:.1f} us" for c, t in sorted(times.items(),
+                                                                                       key=lambda ct: ct[1])),
+                         time.perf_counter() - start)
+                self._store(name, shape, choice, times)
+            self._memo[memo_key] = choice
+            return choice
+
+    def _path(self, name: str) -> str | None:
+        return os.path.join(self.directory, "tuning", name) if self.directory else None
+
+    def _load(self, name: str) -> dict:
+        path = self._path(name)
+        if path is None or not os.path.exists(path):
+            return {}
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            if not isinstance(data, dict) or data.get("format") != _FORMAT or not isinstance(data.get("shapes"), dict):
+                raise ValueError("not a tuning file of this version")
+            return data["shapes"]
+        except (OSError, ValueError) as e:
+            if path not in self._warned:
+                self._warned.add(path)
+                log.warning("torch_ext: ignoring the damaged kernel tuning file %s (%s); its shapes are "
+                            "measured again and the file rewritten", path, e)
+            return {}
+
+    def _store(self, name: str, shape: Shape, choice: Choice, times: dict) -> None:
+        path = self._path(name)
+        if path is None:
+            return
+        shapes = self._load(name)
+        shapes[shape.key()] = {"path": choice.path, "config": list(choice.config),
+                               "us": {f"{c.path}{list(c.config)}": round(t, 2) for c, t in times.items()}}
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tuning-")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"format": _FORMAT, "shapes": shapes}, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+        except OSError as e:
+            log.warning("torch_ext: could not write the kernel tuning file %s (%s); kept in this process", path, e)
+
+
+def _from_json(stored) -> Choice | None:
+    if not isinstance(stored, dict) or stored.get("path") not in ("cublas", *PATHS):
+        return None
+    config = stored.get("config", [])
+    if not isinstance(config, list) or not all(isinstance(c, int) for c in config):
+        return None
+    return Choice(stored["path"], tuple(config))
