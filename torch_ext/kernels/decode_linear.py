@@ -41,7 +41,6 @@ import functools
 import torch
 
 from torch_ext.kernels import decode_linear_mma as mma  # its functions looked up per call: tests wrap them
-from torch_ext.kernels import decode_linear_tuning as tuning
 from torch_ext.kernels.fused_add_rms_norm import has_triton
 from torch_ext.kernels.launch_policy import runs_reference
 
@@ -92,7 +91,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 @decode_linear.register_fake
 def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=None, gate=None, config=None):
     _check_gate(gate, weight.shape[0])
-    tuning.decode(config)  # a config naming no kernel fails at compile time
+    decoded_config(config)  # a config naming no kernel fails at compile time
     return x.new_empty((*x.shape[:-1], weight.shape[0] if gate is None else gate[2]))
 
 
@@ -101,22 +100,37 @@ def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=No
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if runs_reference("decode_linear") or not 0 < rows <= MAX_ROWS:
         return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual, gate)
-    choice = tuning.decode(config)
+    path, launch = decoded_config(config) or (None, None)
     # The CUDA path: where measured fastest, else (defaults) at 2..MAX_ROWS rows or with a gate; Triton's
     # multi-row paths lost to cuBLAS (the docstring). A Triton choice serves one row without a gate.
-    triton_row = choice.path == "triton" if choice else rows == 1 and gate is None
+    triton_row = path == "triton" if path else rows == 1 and gate is None
     if not triton_row or rows > 1 or gate is not None:
         if not triton_row and mma.mma_takes(x, weight, bias, norm_weight, up, residual, gate):
             return mma.decode_linear_mma(x, weight, bias, prefetch, norm_weight=norm_weight, eps=eps, up=up,
-                                         residual=residual, gate=gate, config=choice.config if choice else None)
+                                         residual=residual, gate=gate, config=launch)
         return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual, gate)
     if not (has_triton() and kernel_takes(x, weight, bias, norm_weight, up, residual)):
         return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual)
     from torch_ext.kernels.pdl_kernels import has_pdl
 
-    overrides = dict(zip(("BLOCK_N", "BLOCK_K", "PRE_K", "num_warps"), choice.config)) if choice else None
+    overrides = dict(zip(TRITON_CONFIG, launch)) if launch else None
     return decode_linear_triton(x, weight, bias, prefetch and has_pdl(x.device), overrides, norm_weight=norm_weight,
                                 eps=eps, up=up, residual=residual)
+
+
+# The op's `config` argument: [path, *its launch config], as kernels/decode_linear_tuning.py measured it.
+CONFIG_PATHS = {1: "triton", 2: "mma"}
+TRITON_CONFIG = ("BLOCK_N", "BLOCK_K", "PRE_K", "num_warps")
+
+
+def decoded_config(config: list[int] | None) -> tuple[str, tuple[int, ...]] | None:
+    """(path, launch config) of the op's `config` argument; None: the defaults."""
+    if not config:
+        return None
+    path = CONFIG_PATHS.get(int(config[0]))
+    if path is None:
+        raise ValueError(f"decode_linear: config {list(config)} names no kernel path (first entry 1 Triton, 2 CUDA)")
+    return path, tuple(int(c) for c in config[1:])
 
 
 def decode_linear_reference(x, weight, bias, norm_weight=None, eps: float = 0.0, up=None, residual=None, gate=None):

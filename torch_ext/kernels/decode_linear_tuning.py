@@ -27,9 +27,11 @@ from typing import Callable
 
 import torch
 
+from torch_ext.kernels import decode_linear as op, decode_linear_mma as mma
+
 log = logging.getLogger("torch_ext.backend")
 
-PATHS = {"triton": 1, "mma": 2}  # the op's `config` argument starts with one of these
+PATHS = {path: code for code, path in op.CONFIG_PATHS.items()}  # the op's `config` argument starts with one
 # Other CUDA-path configs timed beside the default: (features a block / 16, warps, chunks in flight, x mode).
 MMA_ALTERNATIVES = ((1, 16, 1, 2), (1, 8, 1, 2), (1, 8, 1, 1), (1, 4, 1, 1))
 _FORMAT = 1  # bump when what a result means changes
@@ -59,18 +61,12 @@ class Choice:
 
 def decode(config: list[int] | None) -> Choice | None:
     """The op's `config` argument back as a Choice (None: the op's defaults)."""
-    if not config:
-        return None
-    path = {v: k for k, v in PATHS.items()}.get(int(config[0]))
-    if path is None:
-        raise ValueError(f"decode_linear: config {list(config)} names no kernel path (first entry 1 Triton, 2 CUDA)")
-    return Choice(path, tuple(int(c) for c in config[1:]))
+    decoded = op.decoded_config(config)
+    return Choice(*decoded) if decoded else None
 
 
 def candidates(shape: Shape, device: torch.device) -> list[Choice]:
     """cuBLAS first, then the op's kernels that may take the shape on this device."""
-    from torch_ext.kernels import decode_linear as op, decode_linear_mma as mma
-
     out = [Choice("cublas")]
     if shape.k % 64:
         return out
@@ -85,15 +81,13 @@ def candidates(shape: Shape, device: torch.device) -> list[Choice]:
 
 
 def _run(choice: Choice, x, weight, bias):
-    from torch_ext.kernels import decode_linear as op, decode_linear_mma as mma
     from torch_ext.kernels.pdl_kernels import has_pdl
 
     if choice.path == "cublas":
         return torch.nn.functional.linear(x, weight, bias)
     pdl = has_pdl(x.device)  # as in a model, where most projections prefetch their weights
     if choice.path == "triton":
-        names = ("BLOCK_N", "BLOCK_K", "PRE_K", "num_warps")
-        return op.decode_linear_triton(x, weight, bias, pdl, dict(zip(names, choice.config)))
+        return op.decode_linear_triton(x, weight, bias, pdl, dict(zip(op.TRITON_CONFIG, choice.config)))
     return mma.decode_linear_mma(x, weight, bias, pdl, config=choice.config)
 
 
