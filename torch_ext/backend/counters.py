@@ -19,6 +19,10 @@ class BackendCounters:
     checkpoint_regions: int = 0
     # Groups of projections sharing an input merged into one GEMM (rewrite/merge_projections.py).
     merged_projection_groups: int = 0
+    # Bytes of the buffers behind them (runtime/merged_params.py): the parameters' storage, not a copy.
+    merged_buffer_bytes: int = 0
+    # decode_linear shapes whose kernel was chosen by timing in this process (kernels/decode_linear_tuning.py).
+    tuned_shapes: int = 0
     decode_linear_calls: int = 0  # linear calls of a few rows replaced by torch_ext::decode_linear
     decode_linear_fusions: int = 0  # norms, gates and residual adds folded into those calls
     decode_attention_calls: int = 0  # SDPA calls of one query token replaced by torch_ext::decode_attention

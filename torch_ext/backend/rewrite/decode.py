@@ -24,7 +24,9 @@ def decode_rewrites(gm: fx.GraphModule, config: CompileConfig, is_splitting: Cal
         counters.decode_attention_calls += found
         changed += found
     if config.uses("decode_linear"):
+        measured = Tuner.measured
         found = use_decode_linear(gm, Tuner(config.cache_dir) if config.kernel_tuning else None)
+        counters.tuned_shapes += Tuner.measured - measured
         counters.decode_linear_calls += found
         changed += found
         if config.decode_linear_fusion:

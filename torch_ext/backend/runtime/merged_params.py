@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from torch_ext import compat
+from torch_ext.backend.counters import counters
 from torch_ext.backend.rewrite.merge_projections import ALIGNMENT, MergePlan
 
 log = logging.getLogger("torch_ext.backend")
@@ -129,9 +130,10 @@ class _ParamSet:
         """Make the buffers (first call) or copy into them the parameters of args that are not their
         slices; every parameter is then rebound to its slice. Returns whether anything was copied."""
         copied = False
+        created = not self.buffers
         # Outside inference mode: an inference tensor as a parameter's storage would refuse training.
         with torch.inference_mode(False), torch.no_grad():
-            if not self.buffers:
+            if created:
                 for slot in self.slots:
                     slot.create([args[i] for i in slot.inputs])
                 self.buffers = tuple(slot.buffer for slot in self.slots)
@@ -157,7 +159,22 @@ class _ParamSet:
                     copied = True
         self.expected = tuple(pair for slot in self.slots for pair in slot.expected())
         self.at, self.ptrs = compat.address_check(self.expected, self.plan.original_inputs)
+        if created:
+            self._account(copied)
         return copied
+
+    def _account(self, copied: bool) -> None:
+        """Counted and said once per set; where the parameters moved into new buffers, their old storage
+        (now free) goes back to the device: the caching allocator would keep it reserved, as much
+        memory as the merged weights (a model's projections: most of its weights)."""
+        size = sum(b.untyped_storage().nbytes() for b in self.buffers)
+        counters.merged_buffer_bytes += size
+        device = self.buffers[0].device
+        if copied and device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.info("torch_ext: %d merged projection group(s) hold their parameters in %.1f MiB of buffers on %s "
+                 "(the parameters are views of them: no second copy%s)", len(self.plan.groups), size / 2**20,
+                 device, "; their old storage was returned to the device" if copied and device.type == "cuda" else "")
 
 
 class MergedParams:
