@@ -52,6 +52,8 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
   ext-no-xsmem  ext with x in registers, a round ahead, where the one-wave projections at 17-32 rows now
               stage it through shared memory (x mode 3, 2026-11-27 session 5)
   ext-prologue8  ext with the norms and gates folded into decode_linear up to 8 rows (the default: one row)
+  ext-prologue0  ext with no norm or gate folded into decode_linear (at one row too)
+  ext-notune  ext with kernel_tuning=False: decode_linear's hand-tuned built-in configs, at every shape
   ext-norm8   ext with the norms alone folded in up to 8 rows (the gate left to Inductor)
   ext-late-launch  ext with Inductor's kernels triggering their dependents after their last load (Inductor's
               own placement; ext moves it to right after their first wait)
@@ -141,6 +143,7 @@ def make(name: str, model, root: str, serving: bool = False):
                                      decode_linear=False if name in ("ext-plain", "ext-cublas", "ext-cublas-lt")
                                      else (True if "forced" in name else None),
                                      decode_linear_fusion="nofuse" not in name,
+                                     kernel_tuning=name != "ext-notune",
                                      inductor_options={"ext-pdl": {"triton.enable_pdl": True},
                                                        "ext-nopdl": {"triton.enable_pdl": False},
                                                        "ext-combo": {"combo_kernels": True},

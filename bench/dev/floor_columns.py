@@ -8,7 +8,7 @@ import contextlib
 import torch
 
 # The columns this module knows, in the order the table lists them (ext-row-* come after, sorted).
-EXPERIMENTS = ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-unordered", "ext-no-xsmem", "ext-prologue8", "ext-norm8", "ext-gate", "ext-nogate",
+EXPERIMENTS = ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-unordered", "ext-no-xsmem", "ext-prologue8", "ext-prologue0", "ext-notune", "ext-norm8", "ext-gate", "ext-nogate",
                "ext-late-launch", "ext-attn1", "ext-lt", "ext-cublas-lt")
 # Columns whose change acts at a kernel's launch (its config), not at compile: their graph must be
 # captured inside the context, and full CUDA graphs capture on a later call than the first.
@@ -31,7 +31,7 @@ def column_experiment(name: str):
         finally:
             torch.backends.cuda.preferred_blas_library(before)
         return
-    if name in ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-unordered", "ext-no-xsmem", "ext-prologue8", "ext-norm8", "ext-gate", "ext-nogate",
+    if name in ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-unordered", "ext-no-xsmem", "ext-prologue8", "ext-prologue0", "ext-norm8", "ext-gate", "ext-nogate",
                 "ext-late-launch"):
         import torch_ext.backend.compile.decode_options as options
         import torch_ext.kernels.decode_linear as op
@@ -58,6 +58,7 @@ def column_experiment(name: str):
                    "ext-unordered": [(mma, "default_config", config_before_ordered)],
                    "ext-no-xsmem": [(mma, "default_config", config_before_x_smem)],
                    "ext-prologue8": [(op, "NORM_PROLOGUE_MAX_ROWS", 8), (op, "GATE_PROLOGUE_MAX_ROWS", 8)],
+                   "ext-prologue0": [(op, "NORM_PROLOGUE_MAX_ROWS", 0), (op, "GATE_PROLOGUE_MAX_ROWS", 0)],
                    "ext-norm8": [(op, "NORM_PROLOGUE_MAX_ROWS", 8)],
                    "ext-gate": [(op, "GATE_EPILOGUE_ROWS", range(2, op.MAX_ROWS + 1))],
                    "ext-nogate": [(op, "GATE_EPILOGUE_ROWS", range(0))],
