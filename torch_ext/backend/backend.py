@@ -32,6 +32,7 @@ from torch_ext.backend.compile.environment import environment_factors
 from torch_ext.backend.runtime.merged_params import MergedParams
 from torch_ext.backend.runtime.piece_group import PieceGroup
 from torch_ext.backend.runtime.piecewise import batch_symbol
+from torch_ext.backend.runtime.split_runner import run_straight_line
 from torch_ext.backend.split.matcher import SplittingOpMatcher
 from torch_ext.backend.split.splitter import INLINABLE_HOPS, Checkpoint, SplitGraph, hop_name, split_graph
 from torch_ext.backend.unused_config import UnusedConfigReporter
@@ -141,6 +142,8 @@ class TorchExtBackend:
         compiled = split.split_gm
         if self.cudagraphs is not None:  # piecewise: wraps the pieces in place; full: wraps the split graph
             compiled = self.cudagraphs.wrap(split, graph_info)
+        else:  # no module calls between pieces (runtime/split_runner.py)
+            run_straight_line(split.split_gm, f"graph {index}")
         if plan is None:
             return compiled
         counters.merged_projection_groups += len(plan.groups)
