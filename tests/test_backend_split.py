@@ -178,6 +178,32 @@ def test_sdpa_model_split_by_aten_name_matches_eager_with_dynamic_sizes():
     assert graphs >= 1 and (counters.splitting_op_calls, counters.pieces) == (3 * graphs, 4 * graphs)
 
 
+def test_inference_split_graph_runs_straight_line_code_and_still_runs_hooks():
+    """Without CUDA graphs an inference split graph is one generated function (runtime/split_runner.py);
+    a forward hook on it (the config reporter's) still runs."""
+    import torch_ext
+
+    model = torch.nn.Sequential(*(SdpaLayer() for _ in range(2)))
+    backend = torch_ext.backend(torch_ext.CompileConfig(splitting_ops=["aten::scaled_dot_product_attention"],
+                                                        cache_dir=None))
+    returned = []
+
+    def record(gm, example_inputs):
+        returned.append(backend(gm, example_inputs))
+        return returned[-1]
+
+    compiled = torch.compile(model, backend=record)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+        (split_gm,) = returned
+        assert split_gm.straight_line_source.startswith("def run(")
+        calls = []
+        split_gm.register_forward_pre_hook(lambda module, args: calls.append(len(args)))
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+    assert len(calls) == 1
+
+
 def test_unmatched_splitting_op_is_said_once_with_the_nearest_names(caplog):
     import torch_ext
 

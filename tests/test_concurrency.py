@@ -5,6 +5,7 @@ changed module attributes. Bad configuration gets a clear error."""
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 
 import pytest
@@ -88,6 +89,51 @@ def test_first_calls_from_many_threads_compile_each_size_once(tmp_path):
             assert by_size == {f"size={n}": pieces for n in (2, 4, 8)}, by_size  # each once, not per thread
         else:
             assert by_size == {} and counters.cache_hits == 4 * pieces, (by_size, counters.cache_hits)
+
+
+_active, _peak, _count_lock = [0], [0], threading.Lock()
+
+
+@torch.library.custom_op("torch_ext_concurrency_test::slow_identity", mutates_args=())
+def _slow_identity(x: torch.Tensor) -> torch.Tensor:
+    """A splitting op that notes how many calls of the graph around it run at once."""
+    with _count_lock:
+        _active[0] += 1
+        _peak[0] = max(_peak[0], _active[0])
+    time.sleep(0.002)  # releases the GIL: another thread would enter here if nothing kept it out
+    with _count_lock:
+        _active[0] -= 1
+    return x.clone()
+
+
+_slow_identity.register_fake(lambda x: torch.empty_like(x))
+
+
+def test_cpu_graph_calls_from_many_threads_run_one_at_a_time():
+    """CPU graphs of a backend run one call at a time (runtime/split_runner.py): at once, every op
+    of a call waits for the GIL behind the other threads' Python. Each thread still gets its answer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)).eval()
+
+    def forward(x):
+        return model(torch.ops.torch_ext_concurrency_test.slow_identity(model(x).relu()))
+
+    config = CompileConfig(cache_dir=None, splitting_ops=("torch_ext_concurrency_test::slow_identity",))
+    compiled = torch.compile(forward, backend=torch_ext.backend(config))
+    inputs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(THREADS)]
+    with torch.no_grad():
+        expected = [forward(x) for x in inputs]
+        compiled(inputs[0])
+    _peak[0] = 0
+
+    def call(i):
+        with torch.no_grad():
+            return [compiled(inputs[i]) for _ in range(5)]
+
+    for outs, exp in zip(run_threads(call), expected):
+        for out in outs:
+            torch.testing.assert_close(out, exp)
+    assert _peak[0] == 1
 
 
 def test_guard_free_dispatch_first_calls_from_many_threads():

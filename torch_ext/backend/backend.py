@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import threading
 import time
 
 import torch
@@ -32,6 +33,7 @@ from torch_ext.backend.compile.environment import environment_factors
 from torch_ext.backend.runtime.merged_params import MergedParams
 from torch_ext.backend.runtime.piece_group import PieceGroup
 from torch_ext.backend.runtime.piecewise import batch_symbol
+from torch_ext.backend.runtime.split_runner import run_straight_line
 from torch_ext.backend.split.matcher import SplittingOpMatcher
 from torch_ext.backend.split.splitter import INLINABLE_HOPS, Checkpoint, SplitGraph, hop_name, split_graph
 from torch_ext.backend.unused_config import UnusedConfigReporter
@@ -59,6 +61,7 @@ class TorchExtBackend:
         self.builder = VariantBuilder(compiler)
         self.joint = JointCompiler(self.config, self.matcher, compiler.patches)
         self._said_per_piece: set[str] = set()
+        self._cpu_calls = threading.RLock()  # calls of its CPU graphs, one at a time (runtime/split_runner.py)
         self.cudagraphs = CudaGraphManager(self.config) if self.config.cudagraph_mode != "none" else None
         self._graphs = 0
         self.unused_config = UnusedConfigReporter(self.config, self.matcher)
@@ -141,6 +144,8 @@ class TorchExtBackend:
         compiled = split.split_gm
         if self.cudagraphs is not None:  # piecewise: wraps the pieces in place; full: wraps the split graph
             compiled = self.cudagraphs.wrap(split, graph_info)
+        else:  # no module calls between pieces; CPU graphs one call at a time (runtime/split_runner.py)
+            run_straight_line(split.split_gm, f"graph {index}", self._cpu_calls if _on_cpu(example_inputs) else None)
         if plan is None:
             return compiled
         counters.merged_projection_groups += len(plan.groups)
@@ -259,6 +264,12 @@ class TorchExtBackend:
         counters.unique_pieces += len(group.pieces)
         counters.splitting_op_calls += group.splitting_ops
         counters.checkpoint_regions += group.checkpoint_regions
+
+
+def _on_cpu(example_inputs) -> bool:
+    """Every tensor the graph takes is on the CPU (and it takes one)."""
+    devices = {v.device.type for v in example_inputs if isinstance(v, torch.Tensor)}
+    return devices == {"cpu"}
 
 
 def _symbols_read(gm: fx.GraphModule) -> set[str]:

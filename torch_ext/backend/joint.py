@@ -42,20 +42,16 @@ _RNG_STATE_HOPS = ("run_and_save_rng_state", "run_with_rng_state", "graphsafe_ru
 
 def _decomposes(op: Any) -> bool:
     """Whether AOTAutograd traces through `op` (a CompositeImplicitAutograd kernel) instead of keeping it."""
-    overloads = [op] if isinstance(op, torch._ops.OpOverload) else \
-        [getattr(op, name) for name in op.overloads()] if isinstance(op, torch._ops.OpOverloadPacket) else []
     return any(torch._C._dispatch_has_kernel_for_dispatch_key(o.name(), "CompositeImplicitAutograd")
-               for o in overloads)
+               for o in compat.op_overloads(op))
 
 
 def why_not_joint(gm: fx.GraphModule, matcher: SplittingOpMatcher, config: CompileConfig) -> str | None:
     """Why a training graph keeps the split-per-piece path, or None where it is differentiated once."""
     if not config.differentiate_once:
         return "CompileConfig.differentiate_once is False"
-    for node in all_calls(gm):
-        name = matcher.match(node)
-        if name is None:
-            continue
+    names = {matcher.match(node) for node in all_calls(gm)} - {None}
+    for name in sorted(names):  # each op resolved once, not per call
         op = resolve_op(name)
         packet = op.overloadpacket if isinstance(op, torch._ops.OpOverload) else op
         if getattr(packet, "_qualified_op_name", None) in ATEN_FORMS:
@@ -131,7 +127,6 @@ class JointCompiler:
             else:  # a splitting op, or sizes and tuple unpacking: plain Python, inlined
                 callables[piece.name] = straight_line(gm.graph, {}, f"{label} {piece.name}", boxed=False)
         counters.splitting_op_calls += len(splitting)
-        counters.unique_pieces = len(self.pieces._memo)
         self._report_output_strides(split.split_gm, compiled)
         splits[kind] = split.split_gm
         if dumper:

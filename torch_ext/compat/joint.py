@@ -52,6 +52,16 @@ def enclosing_output_strides() -> list | None:
     return context.output_strides if context is not None else None
 
 
+def op_overloads(op: Any) -> list:
+    """The OpOverloads a call of `op` may be: itself (an OpOverload), every overload of a packet, none
+    for anything else (a Python function). `OpOverloadPacket.overloads()`, 2.9-2.15."""
+    if isinstance(op, torch._ops.OpOverload):
+        return [op]
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return [getattr(op, name) for name in op.overloads()]
+    return []
+
+
 def has_autograd_formula(op: Any) -> bool:
     """Whether AOTAutograd can differentiate a call of `op` (an OpOverload or packet): a custom op of
     torch.library.custom_op with register_autograd, or any op with an Autograd kernel of its own. A
@@ -63,6 +73,5 @@ def has_autograd_formula(op: Any) -> bool:
     qualname = packet._qualified_op_name
     if qualname in OPDEFS:
         return OPDEFS[qualname]._backward_fn is not None
-    names = [getattr(packet, name).name() for name in packet.overloads()]
-    return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for name in names
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(o.name(), key) for o in op_overloads(packet)
                for key in ("Autograd", "AutogradCPU", "AutogradCUDA", "CompositeImplicitAutograd"))

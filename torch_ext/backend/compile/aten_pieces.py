@@ -81,6 +81,7 @@ class AtenPieceCompiler:
         piece = CompiledAtenPiece(fn, single, strides)
         if self.dedup:
             self._memo[key] = piece
+        counters.unique_pieces += 1  # a distinct piece compiled (one per fingerprint and direction)
         return piece
 
 

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from torch_ext import compat
 from torch_ext.backend.config import resolve_op
 
 
@@ -115,13 +116,7 @@ class SplittingOpMatcher:
 
     def overloads(self) -> set[torch._ops.OpOverload]:
         """Every operator overload a node may call to match (for decomposition tables to leave alone)."""
-        out = set()
-        for target in self._by_target:
-            if isinstance(target, torch._ops.OpOverload):
-                out.add(target)
-            elif isinstance(target, torch._ops.OpOverloadPacket):
-                out.update(getattr(target, name) for name in target.overloads())
-        return out
+        return {o for target in self._by_target for o in compat.op_overloads(target)}
 
     def __call__(self, node: fx.Node) -> bool:
         return self.match(node) is not None

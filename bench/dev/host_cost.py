@@ -1,0 +1,169 @@
+"""CPU host cost of a split model against Inductor: an inference call, a training step, and 8 threads
+calling one compiled model, on one intra-op thread (torch.set_num_threads(1)) where the host's Python
+is what differs.
+
+    python bench/dev/host_cost.py                    # tiny HF Llama: 8 layers, hidden 64, batch 1 x 8
+    python bench/dev/host_cost.py --rows inference --rounds 15
+
+Columns: inductor = torch.compile(model); ext = the torch_ext backend without a splitting op;
+ext-split = split at aten::scaled_dot_product_attention (training: differentiated once). Rows: us per
+inference call (no_grad), us per training step (forward with labels + backward), calls/s of `--threads`
+threads calling one compiled model under no_grad against one thread's (each output checked against
+eager on its input; wrong ones counted). Medians of interleaved rounds (the columns take turns in every
+round: a shared machine's speed drifts); ratios to inductor.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.join(BENCH, ".."))
+
+import torch  # noqa: E402
+
+from harness import print_table  # noqa: E402
+
+SPLIT_AT = "aten::scaled_dot_product_attention"
+
+
+def build_model(args):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+        max_position_embeddings=max(args.seq, 64), attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def compiled(column: str, model):
+    import torch_ext
+    from torch_ext.backend import CompileConfig
+
+    if column == "inductor":
+        return torch.compile(model)
+    ops = (SPLIT_AT,) if column == "ext-split" else ()
+    return torch.compile(model, backend=torch_ext.backend(CompileConfig(splitting_ops=ops, cache_dir=None)))
+
+
+def timed_us(fn, iters: int) -> float:
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def threaded(run, inputs, expected, threads: int, calls: int) -> tuple[float, int]:
+    """calls/s of `threads` threads making `calls` calls each (started together), and wrong outputs."""
+    barrier, wrong, lock = threading.Barrier(threads), [0], threading.Lock()
+
+    def work(t):
+        barrier.wait()
+        with torch.no_grad():
+            for i in range(calls):
+                k = (t + i) % len(inputs)
+                if not torch.allclose(run(inputs[k]), expected[k], rtol=1e-4, atol=1e-4):
+                    with lock:
+                        wrong[0] += 1
+
+    pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    start = time.perf_counter()
+    for p in pool:
+        p.start()
+    for p in pool:
+        p.join()
+    return threads * calls / (time.perf_counter() - start), wrong[0]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--columns", default="inductor,ext,ext-split")
+    p.add_argument("--rows", default="inference,training,threads")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    columns, rows = args.columns.split(","), args.rows.split(",")
+    model = build_model(args)
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen) for _ in range(4)]
+    ids = inputs[0]
+    infer = {c: compiled(c, model) for c in columns}
+    train = {c: compiled(c, model) for c in columns} if "training" in rows else {}
+    model.eval()
+    with torch.no_grad():
+        expected = [model(input_ids=x, use_cache=False).logits for x in inputs]
+        for c, m in infer.items():
+            for x, want in zip(inputs, expected):  # compile; check against eager
+                assert torch.allclose(m(input_ids=x, use_cache=False).logits, want, rtol=1e-4, atol=1e-4), c
+    call = {c: (lambda m=m: m(input_ids=ids, use_cache=False).logits) for c, m in infer.items()}
+    runs = {c: (lambda x, m=m: m(input_ids=x, use_cache=False).logits) for c, m in infer.items()}
+
+    def step(c):
+        model.zero_grad(set_to_none=True)
+        train[c](input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+    if train:
+        model.train()
+        for c in columns:
+            step(c), step(c)
+        model.eval()
+    samples = {(r, c): [] for r in ("inference", "training", "1 thread", "n threads") for c in columns}
+    wrong = {c: 0 for c in columns}
+    for _ in range(args.rounds):  # interleaved: every column in every round
+        for c in columns:
+            if "inference" in rows:
+                with torch.no_grad():
+                    samples["inference", c].append(timed_us(call[c], args.iters))
+            if "training" in rows:
+                model.train()
+                samples["training", c].append(timed_us(lambda: step(c), max(1, args.iters // 3)))
+                model.eval()
+            if "threads" in rows:
+                one, bad1 = threaded(runs[c], inputs, expected, 1, args.iters * args.threads)
+                many, bad = threaded(runs[c], inputs, expected, args.threads, args.iters)
+                samples["1 thread", c].append(one)
+                samples["n threads", c].append(many)
+                wrong[c] += bad1 + bad
+
+    med = {k: statistics.median(v) for k, v in samples.items() if v}
+    table = []
+    for r, label, unit in (("inference", "inference call", "us"), ("training", "training step", "us"),
+                           ("1 thread", "1 thread", "calls/s"), ("n threads", f"{args.threads} threads", "calls/s")):
+        if (r, columns[0]) not in med:
+            continue
+        base = med.get((r, "inductor"))
+        cells = []
+        for c in columns:
+            v, spread = med[r, c], samples[r, c]
+            cell = f"{v:.0f} [{min(spread):.0f}-{max(spread):.0f}]"
+            if base:
+                cell += f" {v / base:.2f}x"
+            if r == "n threads":
+                cell += f", {v / med['1 thread', c]:.2f}x of 1 thread"
+                if wrong[c]:
+                    cell += f", {wrong[c]} wrong"
+            cells.append(cell)
+        table.append([f"{label} ({unit})"] + cells)
+    print(f"\ntiny HF Llama: {args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}, float32, "
+          f"cpu, 1 intra-op thread, torch {torch.__version__}; median [min-max] of {args.rounds} interleaved rounds; "
+          "ratios to inductor" + (f"; wrong outputs: {sum(wrong.values())}" if "threads" in rows else ""))
+    print_table(["", *columns], table)
+
+
+if __name__ == "__main__":
+    main()
