@@ -132,3 +132,24 @@ def test_tuning_times_every_candidate_and_each_computes_linear(tmp_path, rows, n
     tuning.Tuner._memo.clear()
     assert tuning.Tuner(str(tmp_path), measure=lambda *a: {}).choose(shape, device) == choice
     print(f"tuned {shape.key()}: {choice} ({', '.join(f'{c.path}{list(c.config)} {t:.1f} us' for c, t in times.items())})")
+
+
+@pytest.mark.parametrize("part", ["norm", "gate"])
+def test_a_folded_prologue_is_timed_against_a_kernel_of_its_own(part):
+    """Both sides of the fold decision run on this GPU and take time; the folded call computes eager's result."""
+    from torch_ext.kernels import decode_linear_tuning as tuning
+    from torch_ext.kernels.decode_linear import decode_linear_reference
+
+    shape, device = tuning.Shape(1, 1536, 8960 if part == "gate" else 1536, torch.bfloat16, False), torch.device("cuda")
+    for choice in tuning.candidates(shape, device)[1:3]:
+        folded, separate = tuning.measure_fold_cuda(shape, part, choice, device)
+        assert folded > 0 and separate > 0
+        x = torch.randn(1, shape.k, device="cuda", dtype=shape.dtype)
+        w = torch.randn(shape.n, shape.k, device="cuda", dtype=shape.dtype) / shape.k ** 0.5
+        extra = dict(norm_weight=torch.rand(shape.k, device="cuda", dtype=shape.dtype) + 0.5, eps=1e-6) \
+            if part == "norm" else dict(up=torch.randn_like(x))
+        out = torch.ops.torch_ext.decode_linear(x, w, None, True, **extra, config=choice.encode())
+        ref = decode_linear_reference(x.double(), w.double(), None, **{k: v.double() if torch.is_tensor(v) else v
+                                                                       for k, v in extra.items()})
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-2, choice
+        print(f"{part} {shape.key()} {choice}: folded {folded:.1f} us, separate {separate:.1f} us")

@@ -35,9 +35,11 @@ class Measure:
         return {c: 1.0 if c == self.fastest else 2.0 for c in choices}
 
 
-def _tuner(directory, measure):
+def _tuner(directory, measure, fold=None):
+    """fold: (folded us, separate us) every prologue measures."""
     return tuning.Tuner(directory, measure=measure, candidates=lambda shape, device: [CUBLAS, TRITON, MMA],
-                        file_name=lambda device: "decode_linear-test-gpu.json")
+                        file_name=lambda device: "decode_linear-test-gpu.json",
+                        measure_fold=lambda shape, part, choice, device: fold)
 
 
 @pytest.fixture(autouse=True)
@@ -68,14 +70,23 @@ def test_where_cublas_is_fastest_the_linear_stays(tmp_path):
     assert not _calls(gm)
 
 
-def test_fusion_keeps_the_measured_kernel(tmp_path):
-    """The norms, gate and residual adds folded into a tuned call keep its config argument."""
+@pytest.mark.parametrize("fold", [(1.0, 2.0), (3.0, 2.0)])
+def test_a_norm_or_gate_is_folded_into_a_tuned_call_only_where_that_measures_faster(tmp_path, fold):
+    """The norms, gate and residual adds folded into a tuned call keep its config argument; a prologue
+    measured slower folded (each block computes it again) stays an op of its own."""
     gm, inputs = _graph(Layer().to(torch.bfloat16).eval(), torch.randn(1, 1, 64, dtype=torch.bfloat16))
     with torch.no_grad():
         expected = gm(*inputs)
-    rewrite.use_decode_linear(gm, _tuner(str(tmp_path), Measure(MMA)))
-    assert fuse_into_decode_linear(gm) > 0
-    assert all(len(c.args) == 10 and c.args[9] == MMA.encode() for c in _calls(gm))
+    tuner = _tuner(str(tmp_path), Measure(MMA), fold)
+    rewrite.use_decode_linear(gm, tuner)
+    fused = fuse_into_decode_linear(gm, tuner)
+    calls = _calls(gm)
+    assert all(len(c.args) == 10 and c.args[9] == MMA.encode() for c in calls)
+    prologues = sum(c.args[4] is not None or c.args[6] is not None for c in calls)
+    residuals = sum(c.args[7] is not None for c in calls)
+    # Folded: norm1 into qkv, norm2 into gate and up, the gate into down (three patterns, four calls).
+    folds = fold[0] < fold[1]
+    assert residuals == 2 and prologues == (4 if folds else 0) and fused == (3 if folds else 0) + residuals
     with torch.no_grad():
         torch.testing.assert_close(gm(*inputs), expected)
 
@@ -119,6 +130,27 @@ def test_without_a_directory_choices_live_in_the_process(tmp_path):
     assert _tuner(None, measure).choose(shape, torch.device("cpu")) == MMA
     assert _tuner(None, measure).choose(shape, torch.device("cpu")) == MMA and len(measure.shapes) == 1
     assert not os.listdir(tmp_path)
+
+
+def test_a_compile_counts_the_shapes_it_measured(monkeypatch, tmp_path):
+    """counters.tuned_shapes: kernels and folds timed by a compile (none where the file answers)."""
+    from torch_ext.backend import CompileConfig, counters
+    from torch_ext.backend.rewrite.decode import decode_rewrites
+
+    class StandIn(tuning.Tuner):  # the stand-in timings, as the rewrite constructs its tuner
+        def __init__(self, directory):
+            super().__init__(directory, measure=Measure(MMA), candidates=lambda shape, device: [CUBLAS, TRITON, MMA],
+                             file_name=lambda device: "decode_linear-test-gpu.json",
+                             measure_fold=lambda shape, part, choice, device: (1.0, 2.0))
+
+    monkeypatch.setattr("torch_ext.backend.rewrite.decode.Tuner", StandIn)
+    config = CompileConfig(cache_dir=str(tmp_path), decode_linear=True)
+    for expected in (4 + 3, 0):  # 4 shapes and 3 folds (gate and up share a shape); then the file answers
+        counters.reset()
+        tuning.Tuner._memo.clear()
+        gm, _ = _graph(Layer().to(torch.bfloat16).eval(), torch.randn(1, 1, 64, dtype=torch.bfloat16))
+        decode_rewrites(gm, config, lambda node: False)
+        assert counters.tuned_shapes == expected
 
 
 def test_off_cuda_the_default_tuner_measures_nothing():

@@ -91,59 +91,93 @@ def _run(choice: Choice, x, weight, bias):
     return mma.decode_linear_mma(x, weight, bias, pdl, config=choice.config)
 
 
+class _Bench:
+    """Random operands of a shape on device, the weight in enough copies that they do not fit in L2."""
+
+    def __init__(self, shape: Shape, device: torch.device):
+        props = torch.cuda.get_device_properties(device)
+        weight_bytes = shape.n * shape.k * torch.finfo(shape.dtype).bits // 8
+        copies = max(1, min(16, math.ceil(3 * getattr(props, "L2_cache_size", 50 << 20) / weight_bytes)))
+        g = torch.Generator(device=device).manual_seed(0)
+
+        def randn(*size, scale=1.0):
+            return (torch.randn(*size, device=device, generator=g) * scale).to(shape.dtype)
+
+        self.device = device
+        self.weights = [randn(shape.n, shape.k, scale=shape.k ** -0.5) for _ in range(copies)]
+        self.bias = randn(shape.n) if shape.bias else None
+        self.x, self.other = randn(shape.rows, shape.k), randn(shape.rows, shape.k)  # other: up, for a gate
+        self.norm_weight = randn(shape.k) + 1
+
+    def time(self, run: Callable[[torch.Tensor], object]) -> float:
+        """Microseconds per run(weight), captured once over every copy and replayed (launch gaps as in a
+        model's CUDA graph)."""
+        graph = torch.cuda.CUDAGraph()
+        stream = _capture_stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for w in self.weights:  # warm the launch path on the capture stream
+                run(w)
+            with torch.cuda.graph(graph, stream=stream):
+                for w in self.weights:
+                    run(w)
+        torch.cuda.current_stream().wait_stream(stream)
+        for _ in range(3):
+            graph.replay()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(10)]
+        for start, end in events:
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+        return sorted(s.elapsed_time(e) for s, e in events)[len(events) // 2] * 1e3 / len(self.weights)
+
+
 def measure_cuda(shape: Shape, choices: list[Choice], device: torch.device) -> dict[Choice, float]:
     """Microseconds per call of each choice that computes F.linear right (others are left out)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily(), torch.no_grad(), torch.cuda.device(device):
-        props = torch.cuda.get_device_properties(device)
-        weight_bytes = shape.n * shape.k * torch.finfo(shape.dtype).bits // 8
-        copies = max(1, min(16, math.ceil(3 * getattr(props, "L2_cache_size", 50 << 20) / weight_bytes)))
-        g = torch.Generator(device=device).manual_seed(0)
-        scale = shape.k ** -0.5
-        weights = [(torch.randn(shape.n, shape.k, device=device, generator=g) * scale).to(shape.dtype)
-                   for _ in range(copies)]
-        bias = torch.randn(shape.n, device=device, generator=g).to(shape.dtype) if shape.bias else None
-        x = torch.randn(shape.rows, shape.k, device=device, generator=g).to(shape.dtype)
-        ref = torch.nn.functional.linear(x.double(), weights[0].double(), None if bias is None else bias.double())
+        bench = _Bench(shape, device)
+        x, bias = bench.x, bench.bias
+        ref = torch.nn.functional.linear(x.double(), bench.weights[0].double(), None if bias is None else bias.double())
         times = {}
         for choice in choices:
             try:
-                y = _run(choice, x, weights[0], bias)
+                y = _run(choice, x, bench.weights[0], bias)
                 err = ((y.double() - ref).norm() / ref.norm()).item()
                 if not err < 2e-2:  # NaN too: a candidate that is wrong here is never chosen
                     log.warning("torch_ext: decode_linear candidate %s is wrong on %s (relative error %.2e); "
                                 "left out", choice, shape, err)
                     continue
-                graph = torch.cuda.CUDAGraph()
-                stream = _capture_stream(device)
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for w in weights:  # warm the launch path on the capture stream
-                        _run(choice, x, w, bias)
-                    with torch.cuda.graph(graph, stream=stream):
-                        for w in weights:
-                            _run(choice, x, w, bias)
-                torch.cuda.current_stream().wait_stream(stream)
-                for _ in range(3):
-                    graph.replay()
-                events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                          for _ in range(10)]
-                for start, end in events:
-                    start.record()
-                    graph.replay()
-                    end.record()
-                torch.cuda.synchronize()
-                ms = sorted(s.elapsed_time(e) for s, e in events)[len(events) // 2]
-                times[choice] = ms * 1e3 / copies
-                del graph
+                times[choice] = bench.time(lambda w, choice=choice: _run(choice, x, w, bias))
             except Exception as e:  # noqa: BLE001 - a candidate that cannot run here is not chosen
                 torch.cuda.synchronize()
                 log.info("torch_ext: decode_linear candidate %s failed on %s (%s: %s); left out", choice, shape,
                          type(e).__name__, str(e)[:200])
-        del weights, x, bias, ref
+        del bench, ref
     torch.cuda.empty_cache()  # the candidates' copies of the weight: not held as reserved memory afterwards
     return times
+
+
+def measure_fold_cuda(shape: Shape, part: str, choice: Choice, device: torch.device) -> tuple[float, float]:
+    """(us with the prologue `part`, "norm" or "gate", folded into choice's call; us with the call plain
+    and one elementwise kernel before it, as Inductor would leave the prologue). A folded prologue is
+    computed again by every block of the projection: it pays where the launch it saves costs more."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.no_grad(), torch.cuda.device(device):
+        bench = _Bench(shape, device)
+        x, bias, config = bench.x, bench.bias, choice.encode()
+        fused = dict(norm_weight=bench.norm_weight, eps=1e-6) if part == "norm" else dict(up=bench.other)
+        second = bench.norm_weight if part == "norm" else bench.other
+        buf = torch.empty_like(x)
+        op_call = torch.ops.torch_ext.decode_linear.default
+        folded = bench.time(lambda w: op_call(x, w, bias, True, **fused, config=config))
+        separate = bench.time(lambda w: op_call(torch.mul(x, second, out=buf), w, bias, True, config=config))
+        del bench, buf
+    torch.cuda.empty_cache()
+    return folded, separate
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,8 +225,31 @@ class Tuner:
     def __init__(self, directory: str | None,
                  measure: Callable[[Shape, list[Choice], torch.device], dict[Choice, float]] = measure_cuda,
                  candidates: Callable[[Shape, torch.device], list[Choice]] = candidates,
-                 file_name: Callable[[torch.device], str] = _file_name):
+                 file_name: Callable[[torch.device], str] = _file_name,
+                 measure_fold: Callable[[Shape, str, Choice, torch.device], tuple[float, float]] = measure_fold_cuda):
         self.directory, self.measure, self.candidates, self.file_name = directory, measure, candidates, file_name
+        self.measure_fold = measure_fold
+
+    def fold_pays(self, shape: Shape, part: str, choice: Choice, device: torch.device) -> bool:
+        """Whether folding the prologue `part` ("norm" or "gate") into choice's call is faster on this GPU
+        than leaving it to a kernel of its own (measure_fold_cuda)."""
+        with self._lock:
+            name = self.file_name(device)
+            key = f"{shape.key()}|{part}|{choice.path}{list(choice.config)}"
+            if (name, key) in self._memo:
+                return self._memo[(name, key)]
+            stored = self._load(name).get(key)
+            if isinstance(stored, dict) and isinstance(stored.get("fold"), bool):
+                pays = stored["fold"]
+            else:
+                folded, separate = self.measure_fold(shape, part, choice, device)
+                pays = folded <= separate
+                log.info("torch_ext: decode_linear %s: %s folded %.1f us, separate %.1f us -> %s", shape.key(),
+                         part, folded, separate, "folded" if pays else "left to Inductor")
+                self._write(name, key, {"fold": pays, "us": [round(folded, 2), round(separate, 2)]})
+                Tuner.measured += 1
+            self._memo[(name, key)] = pays
+            return pays
 
     def choose(self, shape: Shape, device: torch.device) -> Choice | None:
         """The fastest kernel for shape on device; None (the op's defaults) where nothing can be timed."""
@@ -215,7 +272,9 @@ class Tuner:
                          ", ".join(f"{c.path}{list(c.config)} {t:.1f} us" for c, t in sorted(times.items(),
                                                                                        key=lambda ct: ct[1])),
                          time.perf_counter() - start)
-                self._store(name, shape, choice, times)
+                self._write(name, shape.key(), {
+                    "path": choice.path, "config": list(choice.config),
+                    "us": {f"{c.path}{list(c.config)}": round(t, 2) for c, t in times.items()}})
                 Tuner.measured += 1
             self._memo[memo_key] = choice
             return choice
@@ -240,13 +299,12 @@ class Tuner:
                             "measured again and the file rewritten", path, e)
             return {}
 
-    def _store(self, name: str, shape: Shape, choice: Choice, times: dict) -> None:
+    def _write(self, name: str, key: str, entry: dict) -> None:
         path = self._path(name)
         if path is None:
             return
         shapes = self._load(name)
-        shapes[shape.key()] = {"path": choice.path, "config": list(choice.config),
-                               "us": {f"{c.path}{list(c.config)}": round(t, 2) for c, t in times.items()}}
+        shapes[key] = entry
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tuning-")

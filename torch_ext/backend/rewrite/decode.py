@@ -24,13 +24,13 @@ def decode_rewrites(gm: fx.GraphModule, config: CompileConfig, is_splitting: Cal
         counters.decode_attention_calls += found
         changed += found
     if config.uses("decode_linear"):
-        measured = Tuner.measured
-        found = use_decode_linear(gm, Tuner(config.cache_dir) if config.kernel_tuning else None)
-        counters.tuned_shapes += Tuner.measured - measured
+        measured, tuner = Tuner.measured, Tuner(config.cache_dir) if config.kernel_tuning else None
+        found = use_decode_linear(gm, tuner)
         counters.decode_linear_calls += found
         changed += found
         if config.decode_linear_fusion:
-            fused = fuse_into_decode_linear(gm)
+            fused = fuse_into_decode_linear(gm, tuner)
             counters.decode_linear_fusions += fused
             changed += fused
+        counters.tuned_shapes += Tuner.measured - measured
     return changed

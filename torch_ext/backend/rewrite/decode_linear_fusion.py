@@ -37,6 +37,7 @@ from torch_ext.backend.rewrite.decode_attention import example_value
 from torch_ext.backend.rewrite.decode_linear import computed_in_graph, op_name
 from torch_ext.backend.rewrite.writes import writes_between
 from torch_ext.kernels import decode_linear as op_module
+from torch_ext.kernels import decode_linear_tuning as tuning
 
 log = logging.getLogger("torch_ext.backend")
 
@@ -223,8 +224,26 @@ def _erase(gm: fx.GraphModule, nodes: list) -> None:
             gm.graph.erase_node(node)
 
 
-def fuse_into_decode_linear(gm: fx.GraphModule) -> int:
-    """Fold norms, gates and residual adds into gm's decode_linear calls (in place); returns how many."""
+def _folds_pay(calls, part: str, tuner) -> bool:
+    """Whether the prologue `part` is measured faster folded into each of calls (their kernels as the tuner
+    chose them) than left to a kernel of its own; True without a tuner or a choice (the built-in rule,
+    serves_prologue, decides alone)."""
+    if tuner is None:
+        return True
+    for call in calls:
+        choice = tuning.decode(_full_args(call)[_CONFIG])
+        x, w = _tensor(call.args[_X]), _tensor(call.args[1])
+        if choice is None or x is None or w is None:
+            continue
+        shape = tuning.Shape(x.numel() // x.shape[-1], w.shape[0], w.shape[1], x.dtype, call.args[2] is not None)
+        if not tuner.fold_pays(shape, part, choice, x.device):
+            return False
+    return True
+
+
+def fuse_into_decode_linear(gm: fx.GraphModule, tuner: tuning.Tuner | None = None) -> int:
+    """Fold norms, gates and residual adds into gm's decode_linear calls (in place); returns how many.
+    With a tuner, a norm or gate is folded only where that measures faster (_folds_pay)."""
     fused = 0
     order = {node: i for i, node in enumerate(gm.graph.nodes)}  # erasing keeps the others' order
     for node in list(gm.graph.nodes):
@@ -232,7 +251,8 @@ def fuse_into_decode_linear(gm: fx.GraphModule) -> int:
             continue
         norm = match_rms_norm(node) if _only_read_as_input(node, "norm") else None
         if (norm is not None and _private(norm[3], node)
-                and not any(writes_between(_first(norm[3], order), call) for call in node.users)):
+                and not any(writes_between(_first(norm[3], order), call) for call in node.users)
+                and _folds_pay(node.users, "norm", tuner)):
             h, g, eps, nodes = norm
             for call in list(node.users):
                 args = _full_args(call)
@@ -243,7 +263,8 @@ def fuse_into_decode_linear(gm: fx.GraphModule) -> int:
             continue
         gate = match_gate(node) if _only_read_as_input(node, "gate") else None
         if (gate is not None and set(gate[2].users) == {node}
-                and not any(writes_between(_first([gate[2], node], order), call) for call in node.users)):
+                and not any(writes_between(_first([gate[2], node], order), call) for call in node.users)
+                and _folds_pay(node.users, "gate", tuner)):
             a, b, silu = gate
             for call in list(node.users):
                 args = _full_args(call)
