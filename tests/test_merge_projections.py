@@ -135,6 +135,8 @@ def test_no_second_copy_of_the_weights():
     assert storage_bytes(model) <= 1.1 * before
     assert all(ref.expired() for ref in old)  # the parameters' old storages are freed
     assert len({p.untyped_storage().data_ptr() for p in grouped}) == 2 * hf.LAYERS  # one buffer per group
+    # What the buffers hold is counted: the grouped parameters' bytes, once.
+    assert counters.merged_buffer_bytes == sum(p.numel() * p.element_size() for p in grouped)
 
 
 def test_updates_and_rebinds_are_seen_on_the_next_call():
