@@ -4,6 +4,7 @@
     python bench/compile_time.py --layers 2 8    # fewer
     python bench/compile_time.py --hop-modes     # nested_compile_region layers: inline vs in_body
     python bench/compile_time.py --layers 32 --llama 2   # also a tiny transformers Llama (2 layers)
+    python bench/compile_time.py --training --layers 32  # Llama: training step (joint vs per piece), inference
 
 Every number comes from its own process. "1st call" is the wall time of the first call (Dynamo
 trace + backend + first run) of a decoder with a dynamic batch; "backend" is the time inside the
@@ -62,13 +63,28 @@ def child(args) -> None:
     else:
         op = "aten::scaled_dot_product_attention" if llama else "torch_ext_test::attention"
         cfg = CompileConfig(splitting_ops=[op], cache_dir=args.cache_dir, dedup=(args.mode != "torch_ext-nodedup"),
-                            hop_split=args.hop_split, progress_bar=False)
+                            hop_split=args.hop_split, progress_bar=False,
+                            differentiate_once=(args.mode != "torch_ext-perpiece"))
         if args.mode == "torch_ext-warm":  # torch_ext.compile: warm start on (a cache_dir is set)
             import torch_ext
 
             compiled = torch_ext.compile(model, cfg)
         else:
             compiled = torch.compile(model, backend=make_backend(cfg))
+    if args.grad:  # a training step's first call: forward with labels and backward
+        model.train()
+        ids = torch.randint(0, 128, (BATCH, 16), generator=torch.Generator().manual_seed(0))
+        start = time.perf_counter()
+        compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        compile_s = time.perf_counter() - start
+        got = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        error = max((g - p.grad).abs().max().item() for g, p in zip(got, model.parameters()))
+        backend_s = sum(inductor_seconds) if args.mode == "inductor" else counters.backend_seconds
+        print(json.dumps({"compile_s": compile_s, "backend_s": backend_s, "run_ms": None, "max_error": error,
+                          "counters": counters.snapshot()}))
+        return
     if llama:
         ids = torch.randint(0, 128, (BATCH, 16), generator=torch.Generator().manual_seed(0))
         torch._dynamo.mark_dynamic(ids, 0)
@@ -114,12 +130,14 @@ def _llama(layers: int):
 
 
 def measure(mode, layers, inductor_dir, cache_dir, *, nested=False, hop_split="inline", iters=0,
-            model="decoder") -> dict:
+            model="decoder", grad=False) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_dir)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode, "--layers", str(layers),
            "--cache-dir", cache_dir, "--hop-split", hop_split, "--iters", str(iters), "--model", model]
     if nested:
         cmd.append("--nested")
+    if grad:
+        cmd.append("--grad")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         raise RuntimeError(f"{mode} layers={layers} failed:\n{out.stderr[-3000:]}")
@@ -130,7 +148,7 @@ def measure(mode, layers, inductor_dir, cache_dir, *, nested=False, hop_split="i
 
 
 def cold_and_warm(root, mode, layers, *, warm=True, **kw) -> tuple[dict, dict | None]:
-    tag = f"{kw.get('model', 'decoder')}-{mode}-{layers}-{kw.get('hop_split', 'inline')}"
+    tag = f"{kw.get('model', 'decoder')}-{mode}-{layers}-{kw.get('hop_split', 'inline')}-{kw.get('grad', False)}"
     inductor_dir, cache_dir = os.path.join(root, tag, "inductor"), os.path.join(root, tag, "torch_ext")
     os.makedirs(inductor_dir)
     cold = measure(mode, layers, inductor_dir, cache_dir, **kw)
@@ -177,6 +195,22 @@ def compile_table(root, layer_counts, llama_layers=None) -> None:
               f"({ind:.1f} s), {ws / warm_by[(model, 'torch_ext', layers)]:.2f}x torch_ext's without warm start")
 
 
+def training_table(root, layer_counts) -> None:
+    """Cold first calls of the Llama: a training step (joint, per piece, Inductor) and an inference call."""
+    rows = []
+    cases = [(True, "torch_ext"), (True, "torch_ext-perpiece"), (True, "inductor"), (False, "torch_ext"),
+             (False, "inductor")]
+    for layers in layer_counts:
+        for grad, mode in cases:
+            cold, _ = cold_and_warm(root, mode, layers, warm=False, model="llama", grad=grad)
+            c = cold["counters"]
+            rows.append((str(layers), "training" if grad else "inference", mode, f"{cold['compile_s']:.1f}",
+                         f"{cold['backend_s']:.1f}", f"{c['pieces']}/{c['unique_pieces']}" if mode != "inductor" else "-",
+                         str(c["inductor_compiles"]) if mode != "inductor" else "-"))
+            print(f"  done: {layers} layers {rows[-1][1]} {mode}: {rows[-1][3]} s", file=sys.stderr, flush=True)
+    print_table(("layers", "graph", "backend", "1st call cold s", "backend cold s", "pieces/unique", "compiles"), rows)
+
+
 def hop_table(root, layer_counts) -> None:
     rows = []
     for layers in layer_counts:
@@ -197,7 +231,10 @@ def main() -> None:
     parser.add_argument("--hop-modes", action="store_true", help="compare hop_split inline vs in_body")
     parser.add_argument("--llama", type=int, default=None, metavar="LAYERS",
                         help="also a tiny transformers LlamaForCausalLM with this many layers")
+    parser.add_argument("--training", action="store_true",
+                        help="Llama cold compiles: training step (joint vs per piece vs Inductor) and inference")
     parser.add_argument("--model", default="decoder", help=argparse.SUPPRESS)
+    parser.add_argument("--grad", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="torch_ext", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
@@ -215,6 +252,8 @@ def main() -> None:
     try:
         if args.hop_modes:
             hop_table(root, args.layers)
+        elif args.training:
+            training_table(root, args.layers)
         else:
             compile_table(root, args.layers, args.llama)
     finally:

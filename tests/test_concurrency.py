@@ -136,6 +136,86 @@ def test_cpu_graph_calls_from_many_threads_run_one_at_a_time():
     assert _peak[0] == 1
 
 
+def test_cpu_calls_set_each_thread_to_torch_intra_op_threads_once(monkeypatch):
+    """A thread's first CPU graph call runs torch's per-thread thread-count setup (runtime/cpu_calls.py)."""
+    from torch_ext.backend.runtime import cpu_calls
+
+    entered = []
+    real = cpu_calls.enter_thread
+    monkeypatch.setattr(cpu_calls, "enter_thread", lambda: (entered.append(threading.get_ident()), real()))
+    model = Attention().eval()
+    compiled = torch.compile(model, backend=torch_ext.backend(CompileConfig(
+        cache_dir=None, splitting_ops=("aten::scaled_dot_product_attention",))))
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        expected = model(x)
+        compiled(x)
+    entered.clear()  # the main thread may have entered before (another test's graph)
+
+    def call(i):
+        with torch.no_grad():
+            return [compiled(x) for _ in range(3)]
+
+    for outs in run_threads(call):
+        for out in outs:
+            torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    assert sorted(set(entered)) == sorted(entered) and len(entered) == THREADS
+
+
+_inner, _outer, _depth = [None], [None], threading.local()
+
+
+@torch.library.custom_op("torch_ext_concurrency_test::calls_compiled", mutates_args=())
+def _calls_compiled(x: torch.Tensor) -> torch.Tensor:
+    """A splitting op that calls compiled CPU graphs: another backend's, and once its own caller's."""
+    depth = getattr(_depth, "n", 0)
+    _depth.n = depth + 1
+    try:
+        return _outer[0](x) if depth == 0 else _inner[0](x)
+    finally:
+        _depth.n = depth
+
+
+_calls_compiled.register_fake(lambda x: torch.empty_like(x))
+
+
+def test_compiled_cpu_graphs_calling_each_other_from_many_threads_do_not_deadlock():
+    """CPU calls run one at a time under one re-entrant lock (runtime/cpu_calls.py): a graph whose
+    splitting op calls another backend's graph, and itself again through torch.compile, while other
+    threads call each directly, finishes with each thread's answer."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16).eval()
+
+    def inner(x):
+        return lin(torch.ops.torch_ext_concurrency_test.slow_identity(lin(x).relu()))
+
+    def outer(x):
+        return lin(torch.ops.torch_ext_concurrency_test.calls_compiled(lin(x).tanh()))
+
+    def backend(op):
+        return torch_ext.backend(CompileConfig(cache_dir=None, splitting_ops=(f"torch_ext_concurrency_test::{op}",)))
+
+    _inner[0], _outer[0] = inner, outer  # eager first: the expected values
+    inputs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(THREADS)]
+    with torch.no_grad():
+        expected = [(outer(x), inner(x)) for x in inputs]
+        _inner[0] = torch.compile(inner, backend=backend("slow_identity"))
+        _outer[0] = torch.compile(outer, backend=backend("calls_compiled"))
+        _outer[0](inputs[0]), _inner[0](inputs[0])
+
+    def call(i):
+        with torch.no_grad():
+            fn = _outer[0] if i % 2 else _inner[0]
+            return [fn(inputs[i]) for _ in range(3)]
+
+    try:
+        for i, outs in enumerate(run_threads(call)):
+            for out in outs:
+                torch.testing.assert_close(out, expected[i][0 if i % 2 else 1], rtol=1e-4, atol=1e-5)
+    finally:
+        _inner[0] = _outer[0] = None
+
+
 def test_guard_free_dispatch_first_calls_from_many_threads():
     model = Attention().eval()
     x = torch.randn(4, 5, 32)

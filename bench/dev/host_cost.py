@@ -122,7 +122,7 @@ def main():
         for c in columns:
             step(c), step(c)
         model.eval()
-    samples = {(r, c): [] for r in ("inference", "training", "1 thread", "n threads") for c in columns}
+    samples = {(r, c): [] for r in ("inference", "training", "1 thread", "n threads", "ratio") for c in columns}
     wrong = {c: 0 for c in columns}
     for _ in range(args.rounds):  # interleaved: every column in every round
         for c in columns:
@@ -138,6 +138,7 @@ def main():
                 many, bad = threaded(runs[c], inputs, expected, args.threads, args.iters)
                 samples["1 thread", c].append(one)
                 samples["n threads", c].append(many)
+                samples["ratio", c].append(many / one)  # within a round: the machine's drift cancels
                 wrong[c] += bad1 + bad
 
     med = {k: statistics.median(v) for k, v in samples.items() if v}
@@ -154,7 +155,9 @@ def main():
             if base:
                 cell += f" {v / base:.2f}x"
             if r == "n threads":
-                cell += f", {v / med['1 thread', c]:.2f}x of 1 thread"
+                ratios = samples["ratio", c]
+                cell += (f", {med['ratio', c]:.2f}x of 1 thread (per round: "
+                         f"{' '.join(f'{x:.2f}' for x in ratios)})")
                 if wrong[c]:
                     cell += f", {wrong[c]} wrong"
             cells.append(cell)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import operator
 import os
-import threading
 import time
 
 import torch
@@ -61,7 +60,6 @@ class TorchExtBackend:
         self.builder = VariantBuilder(compiler)
         self.joint = JointCompiler(self.config, self.matcher, compiler.patches)
         self._said_per_piece: set[str] = set()
-        self._cpu_calls = threading.RLock()  # calls of its CPU graphs, one at a time (runtime/split_runner.py)
         self.cudagraphs = CudaGraphManager(self.config) if self.config.cudagraph_mode != "none" else None
         self._graphs = 0
         self.unused_config = UnusedConfigReporter(self.config, self.matcher)
@@ -144,8 +142,8 @@ class TorchExtBackend:
         compiled = split.split_gm
         if self.cudagraphs is not None:  # piecewise: wraps the pieces in place; full: wraps the split graph
             compiled = self.cudagraphs.wrap(split, graph_info)
-        else:  # no module calls between pieces; CPU graphs one call at a time (runtime/split_runner.py)
-            run_straight_line(split.split_gm, f"graph {index}", self._cpu_calls if _on_cpu(example_inputs) else None)
+        else:  # no module calls between pieces; CPU graphs one call at a time (runtime/cpu_calls.py)
+            run_straight_line(split.split_gm, f"graph {index}", serial=_on_cpu(example_inputs))
         if plan is None:
             return compiled
         counters.merged_projection_groups += len(plan.groups)

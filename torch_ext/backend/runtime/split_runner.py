@@ -8,11 +8,7 @@ directly and inlines the splitting ops' partitions (plain calls of the ops), and
 `split_gm` run it. The module stays what the backend returns (tests, dumps and the config
 reporter's hook read it); while it has forward hooks, a call takes nn.Module's path to run them.
 
-`lock`: the backend's CPU call lock (backend.py): calls of CPU graphs from many threads run one at a
-time. Run at once, every torch op of a call releases the GIL and waits to take it back from another
-thread's Python: 8 threads calling one model on a 2-core CPU got 0.57-0.60x one thread's throughput,
-one at a time 0.9-1.0x (docs/measurements/host-cost.md). Each call's ops still use torch's intra-op
-threads, and what callers do between calls runs in parallel.
+`serial`: calls of CPU graphs from many threads run one at a time (runtime/cpu_calls.py).
 """
 from __future__ import annotations
 
@@ -21,6 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from torch_ext.backend.runtime.cpu_calls import serialized
 from torch_ext.backend.runtime.straight_line import straight_line
 
 
@@ -29,9 +26,10 @@ def _plain(gm: fx.GraphModule) -> bool:
     return all(node.op in ("placeholder", "call_function", "output") for node in gm.graph.nodes)
 
 
-def run_straight_line(split_gm: fx.GraphModule, name: str, lock: Any = None) -> Callable | None:
-    """Make calls of `split_gm` run straight-line code, inside `lock` if given; returns that code, or
-    None where the graph holds something it cannot write (an attribute read), left as it is."""
+def run_straight_line(split_gm: fx.GraphModule, name: str, serial: bool = False) -> Callable | None:
+    """Make calls of `split_gm` run straight-line code, one call at a time in the process if `serial`;
+    returns that code, or None where the graph holds something it cannot write (an attribute read),
+    left as it is."""
     graph = split_gm.graph
     if any(node.op not in ("placeholder", "call_module", "call_function", "output") or
            (node.op == "placeholder" and node.args) for node in graph.nodes):  # args: a default value
@@ -49,22 +47,12 @@ def run_straight_line(split_gm: fx.GraphModule, name: str, lock: Any = None) -> 
     run = straight_line(graph, callables, name, boxed=False)
     cls = type(split_gm)  # GraphModule makes a class per instance: this changes only split_gm
 
-    if lock is None:
-        def call(self, *args):
-            if self._forward_pre_hooks or self._forward_hooks:
-                return torch.nn.Module.__call__(self, *args)
-            return run(*args)
-        forward = run
-    else:
-        def forward(*args):
-            with lock:
-                return run(*args)
+    forward = serialized(run) if serial else run
 
-        def call(self, *args):
-            if self._forward_pre_hooks or self._forward_hooks:
-                return torch.nn.Module.__call__(self, *args)
-            with lock:
-                return run(*args)
+    def call(self, *args):
+        if self._forward_pre_hooks or self._forward_hooks:
+            return torch.nn.Module.__call__(self, *args)
+        return forward(*args)
 
     cls.__call__ = call
     split_gm.forward = forward  # nn.Module's path (with hooks) runs the same code
