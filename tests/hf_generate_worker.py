@@ -13,7 +13,7 @@ the end of generate.
 --fx-pieces: pieces run as FX graphs (no Inductor: fast; they are not cached on disk).
 --decode-ops: torch_ext's decode rewrites on, also on the CPU (their ops run the reference there), and
   the Inductor options of decode pieces as on a Hopper GPU. --describe: the JSON holds
-  torch_ext.backend.describe(). --kernels: it holds the CUDA kernels (name -> launches) of the last
+  torch_ext.backend.describe(). --kernels: it holds the CUDA kernels (name -> [launches, us]) of one more
   generate, from torch.profiler, and the median gap between its tokens in ms.
 """
 from __future__ import annotations
@@ -91,18 +91,19 @@ def decode_ops_on_cpu() -> None:
     decode_options._gpu_has_pdl = lambda: True
 
 
-def kernels_of(run) -> dict[str, int]:
-    """CUDA kernels launched while `run()` runs (graph replays included), name -> count."""
+def kernels_of(run) -> dict[str, list]:
+    """CUDA kernels launched while `run()` runs (graph replays included): name -> [launches, total us]."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    counts: dict[str, int] = {}
+    out: dict[str, list] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            counts[event.name] = counts.get(event.name, 0) + 1
-    return dict(sorted(counts.items()))
+            count, us = out.get(event.name, (0, 0.0))
+            out[event.name] = [count + 1, us + event.time_range.elapsed_us()]
+    return dict(sorted(out.items()))
 
 
 def main() -> None:
@@ -159,8 +160,10 @@ def main() -> None:
         extra["median_token_ms"] = gaps.median_ms()
     if args.describe:
         from torch_ext.backend import describe
+        from torch_ext.backend.runtime.cudagraph.stats import cudagraph_stats
 
         extra["describe"] = describe(model.forward)
+        extra["cudagraph_stats"] = {k: v for k, v in vars(cudagraph_stats).items() if isinstance(v, (int, float))}
     frames = dict(torch._dynamo.utils.counters["frames"])
     print(json.dumps({"tokens": tokens.tolist(), "expected": expected.tolist(), "seconds": seconds,
                       "dynamo_frames": frames, **extra,

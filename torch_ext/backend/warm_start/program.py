@@ -201,6 +201,7 @@ class WarmStart:
                     with dims.marked_dynamic(marks or []):
                         found = self._compile_and_save(store, name, factors, args, kwargs,
                                                        None if marks else dynamic)
+        counters.warm_start_seconds += time.perf_counter() - start
         if isinstance(found, Program):
             log.info("torch_ext warm start of %s: ready in %.2f s", self.name, time.perf_counter() - start)
             return found
