@@ -3,6 +3,7 @@ caches) and warm (a second process on the same cache dirs), torch_ext beside tor
 
     python bench/hf_generate.py [--new-tokens 64] [--prompt 128] [--batch 1] [--columns eager,hf-auto,ext,ro]
     python bench/hf_generate.py --smoke      # tiny model on the CPU: every path end to end
+    python bench/hf_generate.py --columns hf-auto,ext --warm-repeats 3   # warm processes vary: several
 
 Model: LlamaForCausalLM, 16 layers, hidden 2048, MLP 5632, 16 heads, vocab 32000, bf16, random
 weights, "sdpa" attention; greedy `generate(..., cache_implementation="static")`.
@@ -174,6 +175,8 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--warm-repeats", type=int, default=1,
+                        help="warm processes per column (a process's steady state varies: one sample each)")
     parser.add_argument("--profile", action="store_true", help="cProfile each process's first generate (stderr)")
     args = parser.parse_args()
     if args.smoke:
@@ -186,7 +189,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="hf_generate_") as root:
         for column in columns:
             cache = os.path.join(root, column)
-            phases = ("cold",) if column == "eager" else ("cold", "warm")
+            warm = [f"warm{i + 1}" if i else "warm" for i in range(args.warm_repeats)]
+            phases = ["cold"] if column == "eager" else ["cold", *warm]
             for phase in phases:
                 results[column, phase] = run(column, cache, args)
     info = next((r for r in results.values() if r), {})
