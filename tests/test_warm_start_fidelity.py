@@ -45,3 +45,4 @@ def test_warm_start_loads_the_program_the_cold_process_compiled(tmp_path, split,
     assert all(g["cudagraphs"]["mode"] == cudagraph and g["cudagraphs"]["runners"] for g in described)
     for loaded, compiled in zip(again["describe"], described, strict=True):
         assert loaded == compiled
+

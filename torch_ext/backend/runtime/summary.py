@@ -56,9 +56,8 @@ class GraphRecord:
             "occurrences": piece.occurrences,
             "calls": sum(ops.values()),
             "torch_ext_ops": {k: v for k, v in sorted(ops.items()) if k.startswith("torch_ext::")},
-            # What this process compiles the piece with (a loaded artifact was compiled with what the
-            # process that saved it would: the same fingerprint, config and environment).
-            "inductor_options": _options(self.compiler.patches(gm, GENERAL)),
+            # What this process compiles the piece with (in the artifact's name: a loaded one was compiled so).
+            "inductor_options": self.compiler.options_of(gm, GENERAL),
             "variants": sorted(v.label for v in piece.variants),
         }
 
@@ -74,15 +73,6 @@ def _op_name(target) -> str:
     if isinstance(target, torch._ops.HigherOrderOperator):
         return f"hop::{target.__name__}"
     return getattr(target, "__name__", repr(target))
-
-
-def _options(patches: dict) -> dict[str, str]:
-    out = {}
-    for key, value in sorted(patches.items()):
-        if hasattr(value, "uuid"):  # a post-grad pass: its identity is its key
-            value = f"pass {value.uuid()}"
-        out[key] = str(value)
-    return out
 
 
 def _runner(runner) -> dict[str, Any]:
