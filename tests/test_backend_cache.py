@@ -17,6 +17,7 @@ import torch
 from torch_ext.backend.compile.environment import environment_factors
 
 import backend_models as bm
+from torch_ext import compat
 from torch_ext.backend import CompileConfig, UnsafeCacheDirError, counters, make_backend
 from torch_ext.backend.compile import cache as cache_mod
 from torch_ext.backend.compile import environment, inductor_keys
@@ -312,6 +313,8 @@ def test_pieces_inductor_cannot_save_run_and_are_said_once(tmp_path, monkeypatch
 
 
 @pytest.mark.slow  # three Inductor compiles of a small graph
+@pytest.mark.skipif(not compat.has_inductor_pdl(),
+                    reason="this Inductor has no triton.enable_pdl: torch_ext adds no options to decode pieces")
 def test_a_piece_compiled_with_other_inductor_options_is_not_loaded(tmp_path, monkeypatch):
     """The options torch_ext picks for a decode piece (PDL, combo kernels, the launch-order pass) are in
     its artifact's name: a process that picks others (another torch_ext, EARLY_LAUNCH off) compiles anew
