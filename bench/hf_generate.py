@@ -126,9 +126,19 @@ def child(args) -> None:
     generate()  # the graphs of a new cache are captured in the calls after the first
     steady = Times()
     graphs = dict(vars(cudagraph_stats))
+    if args.profile_steady:  # where a steady generate's host time goes, by own time (stderr)
+        import cProfile
+        import pstats
+
+        steady_profiler = cProfile.Profile()
+        steady_profiler.enable()
     t_steady = time.perf_counter()
     generate(steady)
     per_token = (time.perf_counter() - t_steady) / args.new_tokens * 1e3
+    if args.profile_steady:
+        steady_profiler.disable()
+        print("steady generate profile", file=sys.stderr)
+        pstats.Stats(steady_profiler, stream=sys.stderr).sort_stats("tottime").print_stats(30)
     gaps = steady.gaps()
     print(json.dumps({
         "imports": imports, "model": model_s, "first_token": first_times.at[1] - t, "first": first,
@@ -146,15 +156,16 @@ def child(args) -> None:
 def run(column: str, cache: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", column, "--cache", cache, "--batch", str(args.batch),
            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens)] + (["--smoke"] if args.smoke else []) \
-        + (["--profile"] if args.profile else [])
+        + (["--profile"] if args.profile else []) + (["--profile-steady"] if args.profile_steady else [])
     env = dict(os.environ, HF_GENERATE_SPAWNED=repr(time.time()))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     if done.returncode != 0:
         print(f"{column}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
         return {}
-    if args.profile:
-        lines = [line for line in done.stderr.splitlines() if " ms torch_ext" in line or "(" in line]
-        print(f"--- {column}\n" + "\n".join(lines[-90:]), file=sys.stderr)
+    if args.profile or args.profile_steady:
+        lines = [line for line in done.stderr.splitlines() if " ms torch_ext" in line or "(" in line
+                 or "steady generate" in line]
+        print(f"--- {column}\n" + "\n".join(lines[-130:]), file=sys.stderr)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -178,6 +189,8 @@ def main() -> int:
     parser.add_argument("--warm-repeats", type=int, default=1,
                         help="warm processes per column (a process's steady state varies: one sample each)")
     parser.add_argument("--profile", action="store_true", help="cProfile each process's first generate (stderr)")
+    parser.add_argument("--profile-steady", action="store_true",
+                        help="cProfile each process's steady generate, by own time (stderr): host time warm vs cold")
     args = parser.parse_args()
     if args.smoke:
         args.prompt, args.new_tokens = min(args.prompt, 8), min(args.new_tokens, 8)
