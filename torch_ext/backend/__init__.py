@@ -38,7 +38,9 @@ __all__ = [
 def describe(compiled) -> list[dict]:
     """What the graphs behind `compiled` (torch_ext.compile's result, or a TorchExtBackend) are: pieces,
     their torch_ext ops and Inductor options, merged projections, the CUDA-graph plan (runtime/summary.py)."""
-    backend = compiled if isinstance(compiled, TorchExtBackend) else getattr(compiled, "backend", None)
+    backend = compiled if isinstance(compiled, TorchExtBackend) else getattr(compiled, "_torch_ext_backend", None)
+    if backend is None:  # GuardFreeDispatcher
+        backend = getattr(compiled, "backend", None)
     if backend is None and getattr(compiled, "warm", None) is not None:  # WarmStartModule
         backend = compiled.warm.backend
     if not isinstance(backend, TorchExtBackend):
