@@ -9,6 +9,8 @@
 #   bash bench/gpu_check.sh tp      python bench/tp_decode.py (2 GPUs; extra args go to it)
 #   bash bench/gpu_check.sh hf      python bench/hf_decode.py (extra args go to it)
 #   bash bench/gpu_check.sh hfgen   python bench/hf_generate.py (cold/warm process ready time; extra args go to it)
+#   bash bench/gpu_check.sh warm    issue 49: the warm-start fidelity GPU test (cold vs warm kernels, printed), then
+#                                   python bench/hf_generate.py (extra args go to it)
 #   bash bench/gpu_check.sh hfprofile  python bench/dev/hf_decode_profile.py (extra args go to it)
 #   bash bench/gpu_check.sh floor   python bench/inference_floor.py (extra args go to it)
 #   bash bench/gpu_check.sh attn    python bench/dev/decode_attention_op.py, then the decode-attention GPU tests
@@ -66,6 +68,9 @@ case "$what" in
   memory) timeout "${MEMORY_TIMEOUT:-400}" python3 bench/dev/memory_held.py "$@" 2>&1 | tee "$OUT/memory_held.log" ;;
   run) "$@" ;;
   hfgen) timeout "${HF_TIMEOUT:-540}" python3 bench/hf_generate.py "$@" 2>&1 | tee "$OUT/hf_generate.log" ;;
+  warm) timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_warm_start_fidelity_gpu.py 2>&1 \
+          | tee "$OUT/warm_start_fidelity_gpu.log" | tail -60
+        timeout "${HF_TIMEOUT:-290}" python3 bench/hf_generate.py "$@" 2>&1 | tee "$OUT/hf_generate.log" ;;
   hfprofile) timeout "${HF_TIMEOUT:-420}" python3 bench/dev/hf_decode_profile.py "$@" 2>&1 | tee "$OUT/hf_profile.log" ;;
   profile) timeout 250 python3 bench/dev/decode_profile.py 2>&1 | tee "$OUT/profile.log"
            timeout 300 python3 bench/decode.py "$@" 2>&1 | tee "$OUT/decode.log" ;;

@@ -3,6 +3,7 @@ caches) and warm (a second process on the same cache dirs), torch_ext beside tor
 
     python bench/hf_generate.py [--new-tokens 64] [--prompt 128] [--batch 1] [--columns eager,hf-auto,ext,ro]
     python bench/hf_generate.py --smoke      # tiny model on the CPU: every path end to end
+    python bench/hf_generate.py --columns hf-auto,ext --warm-repeats 3   # warm processes vary: several
 
 Model: LlamaForCausalLM, 16 layers, hidden 2048, MLP 5632, 16 heads, vocab 32000, bf16, random
 weights, "sdpa" attention; greedy `generate(..., cache_implementation="static")`.
@@ -18,10 +19,17 @@ Columns (each phase of each column is a process of its own, with its own cache d
            guard_free_dispatch=True)): warm start loads the prefill and decode programs
   ext-split  the same, split at aten::scaled_dot_product_attention: one Inductor compile per distinct
            layer instead of the whole model (the whole step still one CUDA graph)
-Per process: "imports" (start to torch, transformers and torch_ext imported), "first generate" (from
-the compile call, or the model's first use, to the end of the first generate: compile + one
-generate), "process" (start to that same point: what a server waits for), then the steady state:
-ms per new token of a later generate. Ratios are to hf-auto in the same phase.
+Per process, the phases to the first token (what a server waits for), each from the process's start
+or its own: "imports" (torch, transformers, torch_ext), "model" (building it), "first token" (from
+the first generate's call to its first new token: compile or load of the prefill program, the
+prefill), "programs" (torch_ext: finding the programs, loaded or traced and compiled; "inductor": of
+which Inductor compiles and artifact loads), "capture" (torch_ext's CUDA-graph captures, all of
+them), "longest gap" (the longest wait between two tokens of the first generate: the decode
+program's load or compile, warm-up and capture), "first generate" and "process" (start to its end).
+Then the steady state, a third generate: "ms/token" (its new tokens over its time, as before),
+"median gap" (the median time between two tokens: the decode step as a server sees it, without the
+graphs generate's new cache captures again), "max gap", and torch_ext's captures, re-captures and
+uncaptured calls in it. Ratios are to hf-auto in the same phase.
 """
 from __future__ import annotations
 
@@ -45,7 +53,9 @@ def child(args) -> None:
 
     import torch_ext
     from torch_ext.backend import counters
+    from torch_ext.backend.runtime.cudagraph.stats import cudagraph_stats
     imports = time.time() - started
+    model_start = time.time()
 
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -59,10 +69,24 @@ def child(args) -> None:
         model = transformers.LlamaForCausalLM(config).to(dtype).eval()
     ids = torch.randint(1, size["vocab_size"], (args.batch, args.prompt),
                         generator=torch.Generator().manual_seed(1)).to(device)
+    model_s = time.time() - model_start
 
-    def generate():
+    class Times:  # a generate streamer: the time of each put (the prompt's first, then each new token)
+        def __init__(self):
+            self.at = []
+
+        def put(self, value):
+            self.at.append(time.perf_counter())  # generate puts tokens moved to the CPU: synchronized
+
+        def end(self):
+            pass
+
+        def gaps(self):
+            return sorted(b - a for a, b in zip(self.at[1:], self.at[2:]))
+
+    def generate(times=None):
         out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0,
-                             cache_implementation="static", min_new_tokens=args.new_tokens)
+                             cache_implementation="static", min_new_tokens=args.new_tokens, streamer=times)
         if device == "cuda":
             torch.cuda.synchronize()
         return out
@@ -91,35 +115,57 @@ def child(args) -> None:
             cache_dir=os.path.join(args.cache, "torch_ext"), progress_bar=False, guard_free_dispatch=True,
             cudagraph_mode="full" if device == "cuda" else "none",
             splitting_ops=("aten::scaled_dot_product_attention",) if column == "ext-split" else ()))
-    tokens = generate()
+    first_times = Times()
+    t = time.perf_counter()
+    tokens = generate(first_times)
     first = time.time() - start
     process = time.time() - started
     if args.profile:
         profiler.disable()
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(45)
-    generate()  # CUDA graphs are captured in the calls after the first
-    t = time.perf_counter()
-    generate()
-    per_token = (time.perf_counter() - t) / args.new_tokens * 1e3
-    print(json.dumps({"imports": imports, "first": first, "process": process, "ms_per_token": per_token,
-                      "tokens": tokens[:, args.prompt:].tolist(), "device": torch.cuda.get_device_name() if
-                      device == "cuda" else "cpu", "torch": torch.__version__,
-                      "loads": counters.warm_start_loads, "saves": counters.warm_start_saves,
-                      "frames": int(torch._dynamo.utils.counters["frames"].get("total", 0))}))
+    generate()  # the graphs of a new cache are captured in the calls after the first
+    steady = Times()
+    graphs = dict(vars(cudagraph_stats))
+    if args.profile_steady:  # where a steady generate's host time goes, by own time (stderr)
+        import cProfile
+        import pstats
+
+        steady_profiler = cProfile.Profile()
+        steady_profiler.enable()
+    t_steady = time.perf_counter()
+    generate(steady)
+    per_token = (time.perf_counter() - t_steady) / args.new_tokens * 1e3
+    if args.profile_steady:
+        steady_profiler.disable()
+        print("steady generate profile", file=sys.stderr)
+        pstats.Stats(steady_profiler, stream=sys.stderr).sort_stats("tottime").print_stats(30)
+    gaps = steady.gaps()
+    print(json.dumps({
+        "imports": imports, "model": model_s, "first_token": first_times.at[1] - t, "first": first,
+        "process": process, "programs": counters.warm_start_seconds,
+        "inductor": counters.compile_seconds + counters.load_seconds, "capture": cudagraph_stats.capture_seconds,
+        "longest_gap": max(first_times.gaps()) * 1e3, "ms_per_token": per_token,
+        "median_gap": gaps[len(gaps) // 2] * 1e3, "max_gap": gaps[-1] * 1e3,
+        "steady_graphs": {k: getattr(cudagraph_stats, k) - graphs[k] for k in ("captures", "recaptures", "uncaptured_runs")},
+        "tokens": tokens[:, args.prompt:].tolist(), "device": torch.cuda.get_device_name() if
+        device == "cuda" else "cpu", "torch": torch.__version__,
+        "loads": counters.warm_start_loads, "saves": counters.warm_start_saves,
+        "frames": int(torch._dynamo.utils.counters["frames"].get("total", 0))}))
 
 
 def run(column: str, cache: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", column, "--cache", cache, "--batch", str(args.batch),
            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens)] + (["--smoke"] if args.smoke else []) \
-        + (["--profile"] if args.profile else [])
+        + (["--profile"] if args.profile else []) + (["--profile-steady"] if args.profile_steady else [])
     env = dict(os.environ, HF_GENERATE_SPAWNED=repr(time.time()))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     if done.returncode != 0:
         print(f"{column}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
         return {}
-    if args.profile:
-        lines = [line for line in done.stderr.splitlines() if " ms torch_ext" in line or "(" in line]
-        print(f"--- {column}\n" + "\n".join(lines[-90:]), file=sys.stderr)
+    if args.profile or args.profile_steady:
+        lines = [line for line in done.stderr.splitlines() if " ms torch_ext" in line or "(" in line
+                 or "steady generate" in line]
+        print(f"--- {column}\n" + "\n".join(lines[-130:]), file=sys.stderr)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -140,7 +186,11 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--warm-repeats", type=int, default=1,
+                        help="warm processes per column (a process's steady state varies: one sample each)")
     parser.add_argument("--profile", action="store_true", help="cProfile each process's first generate (stderr)")
+    parser.add_argument("--profile-steady", action="store_true",
+                        help="cProfile each process's steady generate, by own time (stderr): host time warm vs cold")
     args = parser.parse_args()
     if args.smoke:
         args.prompt, args.new_tokens = min(args.prompt, 8), min(args.new_tokens, 8)
@@ -152,24 +202,43 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="hf_generate_") as root:
         for column in columns:
             cache = os.path.join(root, column)
-            phases = ("cold",) if column == "eager" else ("cold", "warm")
+            warm = [f"warm{i + 1}" if i else "warm" for i in range(args.warm_repeats)]
+            phases = ["cold"] if column == "eager" else ["cold", *warm]
             for phase in phases:
                 results[column, phase] = run(column, cache, args)
     info = next((r for r in results.values() if r), {})
     print(f"\nHF generate, LlamaForCausalLM{' (smoke)' if args.smoke else ' 16x2048 bf16'}, batch {args.batch}, "
           f"prompt {args.prompt}, {args.new_tokens} new tokens; {info.get('device')}, torch {info.get('torch')}")
     expected = results.get(("eager", "cold"), {}).get("tokens")
-    print(f"{'column':<8} {'phase':<5} {'imports s':>9} {'first generate s':>16} {'x hf':>6} {'process s':>9} "
-          f"{'x hf':>6} {'ms/token':>8} {'x hf':>6} {'loads':>5} {'frames':>6}  tokens = eager")
-    for (column, phase), r in results.items():
-        if not r:
-            print(f"{column:<8} {phase:<5} failed")
-            continue
-        base = results.get(("hf-auto", phase), {})
-        ratio = lambda key: f"{r[key] / base[key]:.2f}" if base.get(key) else "-"  # noqa: E731
-        print(f"{column:<8} {phase:<5} {r['imports']:>9.2f} {r['first']:>16.2f} {ratio('first'):>6} "
-              f"{r['process']:>9.2f} {ratio('process'):>6} {r['ms_per_token']:>8.2f} {ratio('ms_per_token'):>6} "
-              f"{r['loads']:>5} {r['frames']:>6}  {matching(r['tokens'], expected)}")
+    ready = (("imports", "imports s", "{:.2f}"), ("model", "model s", "{:.2f}"), ("first_token", "first token s", "{:.2f}"),
+             ("programs", "programs s", "{:.2f}"), ("inductor", "inductor s", "{:.2f}"), ("capture", "capture s", "{:.2f}"),
+             ("longest_gap", "longest gap ms", "{:.0f}"), ("first", "first generate s", "{:.2f}"),
+             ("process", "process s", "{:.2f}"))
+    steady = (("ms_per_token", "ms/token", "{:.2f}"), ("median_gap", "median gap ms", "{:.2f}"),
+              ("max_gap", "max gap ms", "{:.1f}"))
+    for title, fields, ratios in (("To the first token", ready, ("first_token", "first", "process")),
+                                  ("Steady state (a third generate)", steady, ("ms_per_token", "median_gap"))):
+        print(f"\n{title}")
+        head = f"{'column':<9} {'phase':<5} " + " ".join(
+            f"{label:>{max(len(label), 7)}}" + (f" {'x hf':>5}" if key in ratios else "") for key, label, _ in fields)
+        extra = "  loads frames tokens=eager" if fields is ready else "  captures recaptures uncaptured"
+        print(head + extra)
+        for (column, phase), r in results.items():
+            if not r:
+                print(f"{column:<9} {phase:<5} failed")
+                continue
+            base = results.get(("hf-auto", phase), {})
+            cells = []
+            for key, label, fmt in fields:
+                cells.append(f"{fmt.format(r[key]):>{max(len(label), 7)}}")
+                if key in ratios:
+                    cells.append(f"{r[key] / base[key]:>5.2f}" if base.get(key) else f"{'-':>5}")
+            if fields is ready:
+                tail = f"  {r['loads']:>5} {r['frames']:>6} {matching(r['tokens'], expected)}"
+            else:
+                g = r["steady_graphs"]
+                tail = f"  {g['captures']:>8} {g['recaptures']:>10} {g['uncaptured_runs']:>10}"
+            print(f"{column:<9} {phase:<5} " + " ".join(cells) + tail)
     return 0
 
 

@@ -17,6 +17,7 @@ import torch
 from torch_ext.backend.compile.environment import environment_factors
 
 import backend_models as bm
+from torch_ext import compat
 from torch_ext.backend import CompileConfig, UnsafeCacheDirError, counters, make_backend
 from torch_ext.backend.compile import cache as cache_mod
 from torch_ext.backend.compile import environment, inductor_keys
@@ -309,3 +310,37 @@ def test_pieces_inductor_cannot_save_run_and_are_said_once(tmp_path, monkeypatch
     said = [r for r in caplog.records if "cannot be saved to the cache" in r.getMessage()]
     assert len(said) == 1 and "no AOTAutograd entry" in said[0].getMessage()
     assert counters.inductor_compiles == UNIQUE_VARIANTS and artifacts(tmp_path) == []
+
+
+@pytest.mark.slow  # three Inductor compiles of a small graph
+@pytest.mark.skipif(not compat.has_inductor_pdl(),
+                    reason="this Inductor has no triton.enable_pdl: torch_ext adds no options to decode pieces")
+def test_a_piece_compiled_with_other_inductor_options_is_not_loaded(tmp_path, monkeypatch):
+    """The options torch_ext picks for a decode piece (PDL, combo kernels, the launch-order pass) are in
+    its artifact's name: a process that picks others (another torch_ext, EARLY_LAUNCH off) compiles anew
+    instead of loading code compiled with the old ones."""
+    import torch
+
+    import torch_ext
+    from torch_ext.backend import CompileConfig, counters
+    from torch_ext.backend.compile import decode_options
+    from torch_ext.backend.rewrite import decode_linear as rewrite
+
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    monkeypatch.setattr(decode_options, "_has_cuda", lambda: True)
+    monkeypatch.setattr(decode_options, "_gpu_has_pdl", lambda: True)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64)).eval()
+    x = torch.randn(1, 64)
+
+    def process():
+        torch._dynamo.reset()
+        counters.reset()
+        config = CompileConfig(cache_dir=str(tmp_path), decode_linear=True, warm_start=False, progress_bar=False)
+        with torch.no_grad():
+            torch.testing.assert_close(torch_ext.compile(model, config, dynamic=False)(x), model(x))
+        return counters.cache_hits, counters.cache_misses
+
+    assert process() == (0, 1)
+    assert process() == (1, 0)
+    monkeypatch.setattr(decode_options, "EARLY_LAUNCH", False)
+    assert process() == (0, 1)

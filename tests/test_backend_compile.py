@@ -375,3 +375,32 @@ def test_layers_compiled_one_by_one_share_one_graph():
     with torch.no_grad():
         torch_ext.compile(layers[0], config())(x)
     assert counters.graphs_seen == 2
+
+
+@pytest.mark.parametrize("guard_free", [False, True])
+def test_describe_lists_each_graphs_pieces_ops_options_and_cudagraph_plan(monkeypatch, guard_free):
+    """torch_ext.backend.describe(compiled): what a warm start is checked against (runtime/summary.py)."""
+    from torch_ext.backend import CompileConfig, describe
+    from torch_ext.backend.compile.compiler import InductorCompiler
+    from torch_ext.backend.rewrite import decode_linear as rewrite
+
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    monkeypatch.setattr(InductorCompiler, "compile", lambda self, gm, example_inputs, variant, name="": gm)
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64)).eval()
+    config = CompileConfig(cache_dir=None, cudagraph_mode="piecewise", guard_free_dispatch=guard_free,
+                           progress_bar=False)
+    compiled = torch_ext.compile(model, config, dynamic=False)
+    with torch.no_grad(), pytest.warns(UserWarning, match="not on a CUDA device"):
+        compiled(torch.randn(1, 64))
+    (graph,) = describe(compiled)
+    (piece,) = graph["pieces"]
+    assert graph["kind"] == "inference" and piece["torch_ext_ops"] == {"torch_ext::decode_linear": 2}
+    assert piece["variants"] == ["general"] and "post_grad_custom_post_pass" in piece["inductor_options"]
+    assert graph["cudagraphs"]["mode"] == "piecewise"
+    assert graph["cudagraphs"]["reference_ops"] == ["decode_attention", "decode_linear"]
+    (runner,) = graph["cudagraphs"]["runners"]
+    roles = sorted({i.split()[1] for i in runner["inputs"]})
+    assert roles == ["copied", "static"]  # x copied into a static buffer; the weights read in place
+    with pytest.raises(TypeError, match="not compiled by torch_ext.compile"):
+        describe(model)

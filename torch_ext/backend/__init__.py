@@ -29,9 +29,23 @@ __all__ = [
     "Variant",
     "counters",
     "current_compile_variant",
+    "describe",
     "make_backend",
     "torch_ext_backend",
 ]
+
+
+def describe(compiled) -> list[dict]:
+    """What the graphs behind `compiled` (torch_ext.compile's result, or a TorchExtBackend) are: pieces,
+    their torch_ext ops and Inductor options, merged projections, the CUDA-graph plan (runtime/summary.py)."""
+    backend = compiled if isinstance(compiled, TorchExtBackend) else getattr(compiled, "_torch_ext_backend", None)
+    if backend is None:  # GuardFreeDispatcher
+        backend = getattr(compiled, "backend", None)
+    if backend is None and getattr(compiled, "warm", None) is not None:  # WarmStartModule
+        backend = compiled.warm.backend
+    if not isinstance(backend, TorchExtBackend):
+        raise TypeError(f"torch_ext.backend.describe: {compiled!r} is not compiled by torch_ext.compile")
+    return backend.describe()
 
 
 def make_backend(config: CompileConfig | None = None) -> TorchExtBackend:

@@ -10,6 +10,7 @@ import logging
 import operator
 import os
 import time
+import weakref
 
 import torch
 import torch.fx as fx
@@ -33,6 +34,7 @@ from torch_ext.backend.runtime.merged_params import MergedParams
 from torch_ext.backend.runtime.piece_group import PieceGroup
 from torch_ext.backend.runtime.piecewise import batch_symbol
 from torch_ext.backend.runtime.split_runner import run_straight_line
+from torch_ext.backend.runtime.summary import GraphRecord
 from torch_ext.backend.split.matcher import SplittingOpMatcher
 from torch_ext.backend.split.splitter import INLINABLE_HOPS, Checkpoint, SplitGraph, hop_name, split_graph
 from torch_ext.backend.unused_config import UnusedConfigReporter
@@ -57,6 +59,7 @@ class TorchExtBackend:
         self.config = config if config is not None else CompileConfig()
         self.matcher = SplittingOpMatcher(self.config.splitting_ops)
         compiler = InductorCompiler(self.config)
+        self.compiler = compiler
         self.builder = VariantBuilder(compiler)
         self.joint = JointCompiler(self.config, self.matcher, compiler.patches)
         self._said_per_piece: set[str] = set()
@@ -66,6 +69,8 @@ class TorchExtBackend:
         self.last_store_key: str | None = None  # the piece cache's directory key of the last graph
         self._said_warm = False
         self.warm_start_used = False  # set by torch_ext.compile when it serves warm starts (warm_start/program.py)
+        # What each graph compiled into (runtime/summary.py), held weakly: a record lives with its graph.
+        self._records: list[weakref.ref] = []
         if self.config.cache_dir and os.path.exists(self.config.cache_dir):
             ensure_private_dir(self.config.cache_dir)  # refuse an unsafe directory early
 
@@ -140,10 +145,14 @@ class TorchExtBackend:
             after["inductor_compiles"] - before["inductor_compiles"],
             after["cache_hits"] - before["cache_hits"], time.perf_counter() - start)
         compiled = split.split_gm
+        runner_groups = len(self.cudagraphs.groups) if self.cudagraphs is not None else 0
         if self.cudagraphs is not None:  # piecewise: wraps the pieces in place; full: wraps the split graph
             compiled = self.cudagraphs.wrap(split, graph_info)
         else:  # no module calls between pieces; CPU graphs one call at a time (runtime/cpu_calls.py)
             run_straight_line(split.split_gm, f"graph {index}", serial=_on_cpu(example_inputs))
+        self._record(split.split_gm, GraphRecord(
+            "inference", self.compiler, group, plan, tuple(self.cudagraphs.groups[runner_groups:])
+            if self.cudagraphs is not None else (), self.cudagraphs))
         if plan is None:
             return compiled
         counters.merged_projection_groups += len(plan.groups)
@@ -157,11 +166,24 @@ class TorchExtBackend:
         store = self._store(gm, store_key)  # refuses an unsafe cache dir; Inductor's own cache serves the pieces
         self.last_store_key = store.key if store is not None else None
         compiled = self.joint.compile(gm, example_inputs, f"graph {index}", dumper)
+        self._record(compiled, GraphRecord("training", self.compiler))
         self.unused_config.training_graph(gm, index, compiled)
         counters.backend_seconds += time.perf_counter() - start
         log.info("torch_ext: training graph %d differentiated once and split in %.2f s", index,
                  time.perf_counter() - start)
         return compiled
+
+    def describe(self) -> list[dict]:
+        """What each graph this backend compiled (and that is still alive) is, in compile order
+        (runtime/summary.py): two processes running one program describe it alike."""
+        return [record.describe() for record in (ref() for ref in self._records) if record is not None]
+
+    def _record(self, holder, record: GraphRecord) -> None:
+        try:
+            holder.torch_ext_record = record  # the holder keeps it alive; the backend only looks
+        except AttributeError:
+            return
+        self._records = [ref for ref in self._records if ref() is not None] + [weakref.ref(record)]
 
     def rewrite(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, MergePlan | None]:
         """The Dynamo graph the stages after it see (rewrite/): in inference graphs (grad off), a copy

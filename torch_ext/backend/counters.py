@@ -38,6 +38,7 @@ class BackendCounters:
     warm_start_loads: int = 0
     warm_start_saves: int = 0
     warm_start_fallbacks: int = 0
+    warm_start_seconds: float = 0.0  # wall time finding programs: loading them, or tracing and saving
     # Inductor compiles per variant: "general", "size=8", "range=[1,16)".
     compiles_by_variant: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 

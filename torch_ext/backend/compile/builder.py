@@ -26,8 +26,11 @@ class VariantBuilder:
         self.compiler = compiler
         self._memo: dict[str, tuple[Callable, bytes | None]] = {}  # artifact name -> (callable, bytes)
 
-    def artifact_name(self, fingerprint: str, variant: Variant) -> str:
-        factors = f"{fingerprint}|{self.compiler.key_factors(variant)}"
+    def artifact_name(self, fingerprint: str, variant: Variant, options: dict[str, str] | None = None) -> str:
+        """The artifact's name: the piece, the variant, and the Inductor options it compiles with (ours by
+        its graph and the GPU: PDL, combo kernels, the launch-order pass), so that a process whose torch_ext
+        chooses other options never loads code compiled with the old ones."""
+        factors = f"{fingerprint}|{self.compiler.key_factors(variant)}|{sorted((options or {}).items())}"
         return hashlib.sha256(factors.encode()).hexdigest()
 
     def build(self, piece_name: str, gm: fx.GraphModule, fingerprint: str, variant: Variant, example_inputs,
@@ -38,7 +41,7 @@ class VariantBuilder:
             return self._build(piece_name, gm, fingerprint, variant, example_inputs, store)
 
     def _build(self, piece_name, gm, fingerprint, variant, example_inputs, store) -> Callable:
-        name = self.artifact_name(fingerprint, variant)
+        name = self.artifact_name(fingerprint, variant, self.compiler.options_of(gm, variant))
         if name in self._memo:
             fn, blob = self._memo[name]
             if store is not None and blob is not None and not store.has(name):

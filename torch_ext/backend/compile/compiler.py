@@ -133,6 +133,13 @@ class InductorCompiler:
             patches["post_grad_custom_post_pass"] = post_pass
         return patches
 
+    def options_of(self, gm: fx.GraphModule, variant: Variant = GENERAL) -> dict[str, str]:
+        """patches(gm) as text: a post-grad pass by its uuid (part of an artifact's name, and of describe())."""
+        out = {}
+        for key, value in sorted(self.patches(gm, variant).items()):
+            out[key] = f"pass {value.uuid()}" if hasattr(value, "uuid") else repr(value)
+        return out
+
     def key_factors(self, variant: Variant) -> str:
         """What, besides the piece graph and the config, decides the compiled code of this variant."""
         pm = self.pass_manager(variant)

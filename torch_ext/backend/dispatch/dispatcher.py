@@ -185,9 +185,7 @@ class GuardFreeDispatcher:
                 self._warm_programs = tuple(loaded) + self._warm_programs
             if program is not None:
                 out = program(args, kwargs)
-                fast = functools.partial(program.function, self.self_arg) if self.self_arg is not None \
-                    else program.function
-                self._arm(args, kwargs, ready=(fast, program.graph_inputs))
+                self._arm(args, kwargs, ready=(program.fast, program.graph_inputs, program.function.__code__))
                 return out
         if self.signatures:
             self._warn_mismatch(args, kwargs)
@@ -236,8 +234,8 @@ class GuardFreeDispatcher:
                       f"through torch.compile with guards; Dynamo compiles code for it where they fail, and later "
                       f"calls like it run that code without guards.{hint}", GuardFreeDispatchWarning, stacklevel=4)
 
-    def _arm(self, args, kwargs, ready: tuple[Callable, dict] | None = None) -> None:
-        """Arm the code of the call just compiled, or `ready`: (a function to call, its graph inputs)."""
+    def _arm(self, args, kwargs, ready: tuple[Callable, dict, types.CodeType] | None = None) -> None:
+        """Arm the code of the call just compiled, or `ready`: (a function to call, its graph inputs, its code)."""
         code, inputs = self._new_code, self._graph_inputs
         self._new_code = self._graph_inputs = None
         if ready is not None:
@@ -293,8 +291,7 @@ class GuardFreeDispatcher:
         self._variants = [(signature.check, fast, ModuleState(self.self_arg)), *self._variants]
         self.signatures.insert(0, signature)
         if self.debug_dir:
-            self._dump(code if code is not None else ready[0].__code__ if self.self_arg is None
-                       else ready[0].func.__code__, signature, len(self._variants) - 1)
+            self._dump(code if code is not None else ready[2], signature, len(self._variants) - 1)
         log.info("torch_ext: guard-free dispatch armed variant %d of %s", len(self._variants), self.func.__qualname__)
 
     def _note(self, key, msg: str, *args, warn: bool = False) -> None:

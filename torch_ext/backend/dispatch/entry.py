@@ -33,6 +33,8 @@ def compile(model, config=None, *, dynamic: bool | None = None):
         warm = warm_program.for_forward(model, func, self_arg, backend, dynamic) if func is not None else None
         if warm is not None:
             compiled = WarmStartModule(model, compiled, warm)
+        else:
+            _note_backend(compiled, backend)
     owner = getattr(model, "__self__", None)
     if inspect.ismethod(model) and isinstance(owner, torch.nn.Module) and callable(getattr(owner, "generate", None)):
         _no_compile_around(owner)
@@ -40,6 +42,14 @@ def compile(model, config=None, *, dynamic: bool | None = None):
         # Hugging Face's generate() calls self.forward, never this wrapper: say so where it is called.
         object.__setattr__(compiled, "generate", _generate_that_says(model))
     return compiled
+
+
+def _note_backend(compiled, backend) -> None:
+    """torch.compile's result learns its backend (torch_ext.backend.describe reads it)."""
+    try:
+        object.__setattr__(compiled, "_torch_ext_backend", backend)
+    except (AttributeError, TypeError):  # an object that takes no attributes: describe() cannot find it
+        pass
 
 
 # torch_ext.compile calls with the same config object (or none) on modules of one forward share a

@@ -53,9 +53,19 @@ def differing(base: dict[str, tuple[int, ...]], args: tuple, kwargs: dict) -> li
 def marked_dynamic(marks: list[tuple[torch.Tensor, int]]):
     """maybe_mark_dynamic on each (tensor, dim) while tracing, then the tensors' marks as they were
     (they are the user's: a cache kept for later calls)."""
-    saved = [(t, getattr(t, "_dynamo_weak_dynamic_indices", None)) for t, _ in marks]
-    for t, d in marks:
-        torch._dynamo.maybe_mark_dynamic(t, d)
+    with weak_marks_kept([t for t, _ in marks]):
+        for t, d in marks:
+            torch._dynamo.maybe_mark_dynamic(t, d)
+        yield
+
+
+@contextlib.contextmanager
+def weak_marks_kept(tensors: list[torch.Tensor]):
+    """The tensors' weak dynamic marks (maybe_mark_dynamic) as they were before, afterwards. Also around
+    a training program's call: AOTAutograd marks each tensor it saves for backward with its dynamic dims
+    (runtime_wrappers.maybe_mark_dynamic_helper), the caller's input among them; a call's entry key holds
+    the marks, so a later lookup with that tensor would find no entry and trace another."""
+    saved = [(t, getattr(t, "_dynamo_weak_dynamic_indices", None)) for t in tensors]
     try:
         yield
     finally:

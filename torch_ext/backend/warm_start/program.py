@@ -23,6 +23,7 @@ dispatch). Anything else goes through torch.compile, said in one log line.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -85,6 +86,10 @@ class Program:
         self.self_arg = self_arg
         self.function = aot.fn  # the transformed forward; takes `self` first for a method
         self.graph_inputs = compat.aot_backend_result(aot).graph_inputs
+        # What runs a call (guard-free dispatch arms it): the forward with its self, and for a program of
+        # calls that record autograd, the arguments' dim marks kept (dims.weak_marks_kept).
+        fast = functools.partial(self.function, self_arg) if self_arg is not None else self.function
+        self.fast = _keeping_marks(fast) if torch.is_grad_enabled() else fast
 
     def accepts(self, args: tuple, kwargs: dict) -> bool:
         """The per-call check (mismatch() builds the reason too: only where it is said)."""
@@ -99,9 +104,15 @@ class Program:
         return compat.aot_guard_reason(self.aot, args, kwargs)
 
     def __call__(self, args: tuple, kwargs: dict):
-        if self.self_arg is not None:
-            return self.function(self.self_arg, *args, **kwargs)
-        return self.function(*args, **kwargs)
+        return self.fast(*args, **kwargs)
+
+
+def _keeping_marks(fn):
+    def call(*args, **kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        with dims.weak_marks_kept(tensors):
+            return fn(*args, **kwargs)
+    return call
 
 
 class WarmStart:
@@ -201,6 +212,7 @@ class WarmStart:
                     with dims.marked_dynamic(marks or []):
                         found = self._compile_and_save(store, name, factors, args, kwargs,
                                                        None if marks else dynamic)
+        counters.warm_start_seconds += time.perf_counter() - start
         if isinstance(found, Program):
             log.info("torch_ext warm start of %s: ready in %.2f s", self.name, time.perf_counter() - start)
             return found
