@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # checkpoint_models, hf_m
 
 import torch  # noqa: E402
 
-from harness import print_table  # noqa: E402
+from harness import model_arguments, print_table  # noqa: E402
 
 COLUMNS = ("eager", "inductor", "ext", "ext-split", "ext-split-pieces")
 
@@ -84,12 +84,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--models", default="hf-llama,custom-op")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
+    model_arguments(p, layers=4, hidden=256, heads=4, vocab=1024, batch=4, seq=128)
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=5)

@@ -77,3 +77,10 @@ def ratio_cells(times: dict[str, list[float]], name: str, base: str, floor_ms: f
     ms = statistics.median(times[name])
     return [f"{ms:.3f}", f"{ms / floor_ms:.2f}", f"{ms / statistics.median(times[base]):.3f}",
             f"{min(times[name]):.3f}-{max(times[name]):.3f}"]
+
+
+def model_arguments(parser, *, layers: int, hidden: int, heads: int, vocab: int, batch: int, seq: int) -> None:
+    """The decoder-size options the training and host-cost benchmarks share, with each one's defaults."""
+    for name, default in (("layers", layers), ("hidden", hidden), ("heads", heads), ("vocab", vocab),
+                          ("batch", batch), ("seq", seq)):
+        parser.add_argument(f"--{name}", type=int, default=default)

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(BENCH, ".."))
 
 import torch  # noqa: E402
 
-from harness import print_table  # noqa: E402
+from harness import model_arguments, print_table  # noqa: E402
 
 SPLIT_AT = "aten::scaled_dot_product_attention"
 
@@ -84,12 +84,7 @@ def threaded(run, inputs, expected, threads: int, calls: int) -> tuple[float, in
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=128)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=8)
+    model_arguments(p, layers=8, hidden=64, heads=4, vocab=128, batch=1, seq=8)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--threads", type=int, default=8)
