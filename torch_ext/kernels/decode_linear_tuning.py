@@ -45,6 +45,11 @@ class Shape:
     dtype: torch.dtype
     bias: bool
 
+    @classmethod
+    def of(cls, x, weight, has_bias: bool) -> "Shape":
+        """The shape of F.linear(x, weight, bias) (x's leading dims are its rows)."""
+        return cls(math.prod(x.shape[:-1]), weight.shape[0], weight.shape[1], x.dtype, has_bias)
+
     def key(self) -> str:
         return f"{self.rows},{self.n},{self.k},{str(self.dtype).removeprefix('torch.')},{int(self.bias)}"
 
@@ -201,6 +206,7 @@ def _source_hash() -> str:
     return h.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=None)  # asked once per shape; a device's name, torch and Triton never change
 def _file_name(device: torch.device) -> str:
     try:
         import triton

@@ -101,7 +101,7 @@ def decode_call(node: fx.Node, tuner: Tuner | None = None) -> dict | None:
     rows = math.prod(x.shape[:-1])
     if not op_module.serves(rows, x.dtype, x.device) or not all(t.dtype == x.dtype for t in tensors):
         return None
-    choice = tuner.choose(Shape(rows, w.shape[0], w.shape[1], x.dtype, b is not None), x.device) if tuner else None
+    choice = tuner.choose(Shape.of(x, w, b is not None), x.device) if tuner else None
     if choice is not None and choice.path == "cublas":
         return None
     prefetch = (_read_only_input(w_node) and (b_node is None or _read_only_input(b_node))

@@ -235,8 +235,7 @@ def _folds_pay(calls, part: str, tuner) -> bool:
         x, w = _tensor(call.args[_X]), _tensor(call.args[1])
         if choice is None or x is None or w is None:
             continue
-        shape = tuning.Shape(x.numel() // x.shape[-1], w.shape[0], w.shape[1], x.dtype, call.args[2] is not None)
-        if not tuner.fold_pays(shape, part, choice, x.device):
+        if not tuner.fold_pays(tuning.Shape.of(x, w, call.args[2] is not None), part, choice, x.device):
             return False
     return True
 
