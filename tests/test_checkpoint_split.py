@@ -233,3 +233,72 @@ def test_training_pieces_load_from_the_disk_cache_in_a_new_process(tmp_path):
         assert second["counters"]["inductor_compiles"] > 0
     else:
         assert second["counters"]["inductor_compiles"] == 0
+
+
+@torch.library.custom_op("torch_ext_test::random_mask", mutates_args=(),
+                         tags=(torch.Tag.nondeterministic_seeded,))
+def random_mask(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x times a random 0/2 mask (dropout 0.5), and the mask: a random splitting op."""
+    mask = (torch.rand_like(x) > 0.5).to(x.dtype) * 2
+    return x * mask, mask
+
+
+@random_mask.register_fake
+def _(x):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def _random_mask_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+
+
+def _random_mask_backward(ctx, grad, _grad_mask):
+    return grad * ctx.saved_tensors[0]
+
+
+random_mask.register_autograd(_random_mask_backward, setup_context=_random_mask_setup)
+
+
+class RandomSplitRegion(nn.Module):
+    """out = s * sum(random_mask(lin(x))), the random op a splitting op inside a checkpoint region:
+    the joint graph saves its RNG state (run_and_save_rng_state) and replays it in the recompute
+    (run_with_rng_state), both run eagerly between the pieces."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.s = nn.Parameter(torch.tensor(1.5))
+
+    def body(self, x):
+        return torch.ops.torch_ext_test.random_mask(self.lin(x))[0] * self.s
+
+    def forward(self, x):
+        return checkpoint(self.body, x, use_reentrant=False).sum()
+
+
+def test_rng_state_hops_between_pieces_run_directly(monkeypatch):
+    """The RNG-state HOPs around a random splitting op skip their dispatch (compat/rng_hops.py) and
+    still hand the recompute the forward's random numbers: d out / d s == out / s."""
+    from torch_ext.compat import rng_hops
+
+    direct = []
+    device_of_plain = rng_hops._device_of_plain
+    monkeypatch.setattr(rng_hops, "_device_of_plain",
+                        lambda args, kwargs: direct.append(device_of_plain(args, kwargs)) or direct[-1])
+    model = RandomSplitRegion()
+    x = torch.randn(4, 8, 32)
+    compiled = torch_ext_compiled(model, "torch_ext_test::random_mask")
+    for _ in range(2):
+        direct.clear()  # the first call may run under a mode (then through the HOP, as before)
+        model.zero_grad()
+        out = compiled(x)
+        out.backward()
+        torch.testing.assert_close(model.s.grad, out.detach() / model.s.detach(), rtol=1e-4, atol=1e-4)
+    assert direct == ["cpu", "cpu"], direct  # a steady step: saved in the forward, replayed in the backward
+    torch.manual_seed(0)  # outside the graphs the HOP's direct form draws as the HOP does
+    a = torch.ops.torch_ext_test.random_mask(x)[1]
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+    state, b = rng_hops.direct_hop_call(run_and_save_rng_state)(torch.ops.torch_ext_test.random_mask.default, x)
+    again = rng_hops.direct_hop_call(run_with_rng_state)(state, torch.ops.torch_ext_test.random_mask.default, x)
+    torch.testing.assert_close(again[1], b[1])
+    assert not torch.equal(a, b[1])

@@ -4,7 +4,7 @@ No other module branches on the torch version: they import the Dynamo internals 
 
 One module per concern: versions (which torch, known bugs), dynamo (tracing internals), runtime
 (CUDA graphs, custom ops), aot (AOT compile), inductor (its per-process keys), speculation (restarts), joint
-(Inductor's training compile with our inner compile). Callers use
+(Inductor's training compile with our inner compile), rng_hops (RNG-state HOPs called directly). Callers use
 `torch_ext.compat.<name>`.
 """
 from torch_ext.compat.versions import *  # noqa: F401,F403  (checks the version first)
@@ -15,4 +15,5 @@ from torch_ext.compat.aot import *  # noqa: F401,F403
 from torch_ext.compat.inductor import *  # noqa: F401,F403
 from torch_ext.compat.speculation import *  # noqa: F401,F403
 from torch_ext.compat.joint import *  # noqa: F401,F403
+from torch_ext.compat.rng_hops import direct_hop_call  # noqa: F401
 from torch_ext.compat import versions  # noqa: F401  (tests patch the running release there)

@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
+from torch_ext import compat
+
 
 def straight_line(graph: fx.Graph, callables: dict[str, Callable], name: str = "split_graph",
                   boxed: bool = True) -> Callable:
@@ -77,8 +79,8 @@ def straight_line(graph: fx.Graph, callables: dict[str, Callable], name: str = "
                 lines.append(f"    {value} = {constant(callables[node.target])}({args})")
             elif node.op == "call_function" and node.target is operator.getitem:
                 lines.append(f"    {value} = {fmt(node.args[0])}[{fmt(node.args[1])}]")
-            elif node.op == "call_function":
-                lines.append(f"    {value} = {constant(node.target)}({args})")
+            elif node.op == "call_function":  # RNG-state HOPs without their dispatch (compat/rng_hops.py)
+                lines.append(f"    {value} = {constant(compat.direct_hop_call(node.target))}({args})")
             else:
                 raise NotImplementedError(f"straight_line: {node.op} node {node.name} in {name}")
             if not node.users:
