@@ -136,13 +136,13 @@ def test_cpu_graph_calls_from_many_threads_run_one_at_a_time():
     assert _peak[0] == 1
 
 
-def test_cpu_calls_set_each_thread_to_torch_intra_op_threads_once(monkeypatch):
-    """A thread's first CPU graph call runs torch's per-thread thread-count setup (runtime/cpu_calls.py)."""
-    from torch_ext.backend.runtime import cpu_calls
+def test_serial_calls_set_each_thread_to_torch_intra_op_threads_once(monkeypatch):
+    """A thread's first CPU graph call runs torch's per-thread thread-count setup (runtime/serial_calls.py)."""
+    from torch_ext.backend.runtime import serial_calls
 
     entered = []
-    real = cpu_calls.enter_thread
-    monkeypatch.setattr(cpu_calls, "enter_thread", lambda: (entered.append(threading.get_ident()), real()))
+    real = serial_calls.enter_thread
+    monkeypatch.setattr(serial_calls, "enter_thread", lambda: (entered.append(threading.get_ident()), real()))
     model = Attention().eval()
     compiled = torch.compile(model, backend=torch_ext.backend(CompileConfig(
         cache_dir=None, splitting_ops=("aten::scaled_dot_product_attention",))))
@@ -180,7 +180,7 @@ _calls_compiled.register_fake(lambda x: torch.empty_like(x))
 
 
 def test_compiled_cpu_graphs_calling_each_other_from_many_threads_do_not_deadlock():
-    """CPU calls run one at a time under one re-entrant lock (runtime/cpu_calls.py): a graph whose
+    """CPU calls run one at a time under one re-entrant lock (runtime/serial_calls.py): a graph whose
     splitting op calls another backend's graph, and itself again through torch.compile, while other
     threads call each directly, finishes with each thread's answer."""
     torch.manual_seed(0)

@@ -6,7 +6,8 @@ is what differs.
     python bench/dev/host_cost.py --rows inference --rounds 15
 
 Columns: inductor = torch.compile(model); ext = the torch_ext backend without a splitting op;
-ext-split = split at aten::scaled_dot_product_attention (training: differentiated once). Rows: us per
+ext-split = split at aten::scaled_dot_product_attention (training: differentiated once); ext-dispatch =
+ext-split through torch_ext.compile with guard-free dispatch (on request: --columns). Rows: us per
 inference call (no_grad), us per training step (forward with labels + backward), calls/s of `--threads`
 threads calling one compiled model under no_grad against one thread's (each output checked against
 eager on its input; wrong ones counted). Medians of interleaved rounds (the columns take turns in every
@@ -49,6 +50,8 @@ def compiled(column: str, model):
 
     if column == "inductor":
         return torch.compile(model)
+    if column == "ext-dispatch":  # torch_ext.compile: guard-free dispatch, one call at a time from its check on
+        return torch_ext.compile(model, CompileConfig(splitting_ops=(SPLIT_AT,), cache_dir=None, guard_free_dispatch=True))
     ops = (SPLIT_AT,) if column == "ext-split" else ()
     return torch.compile(model, backend=torch_ext.backend(CompileConfig(splitting_ops=ops, cache_dir=None)))
 

@@ -148,7 +148,7 @@ class TorchExtBackend:
         runner_groups = len(self.cudagraphs.groups) if self.cudagraphs is not None else 0
         if self.cudagraphs is not None:  # piecewise: wraps the pieces in place; full: wraps the split graph
             compiled = self.cudagraphs.wrap(split, graph_info)
-        else:  # no module calls between pieces; CPU graphs one call at a time (runtime/cpu_calls.py)
+        else:  # no module calls between pieces; CPU graphs one call at a time (runtime/serial_calls.py)
             run_straight_line(split.split_gm, f"graph {index}", serial=_on_cpu(example_inputs))
         self._record(split.split_gm, GraphRecord(
             "inference", self.compiler, group, plan, tuple(self.cudagraphs.groups[runner_groups:])

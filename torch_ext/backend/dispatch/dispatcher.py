@@ -19,7 +19,7 @@ A call that does not match goes through torch.compile with its guards: Dynamo co
 The root module's training flag (`train()` / `eval()`) and its own plain attributes (ints, floats,
 bools, strings: `self.scale = 2.0`) are checked too (module_state.py): a call after one changed goes
 through torch.compile's guards (said once), which compile code for it where the forward reads it.
-Calls from many threads are safe: calls through torch.compile run one at a time.
+Calls from many threads are safe: they run one at a time in the process (runtime/serial_calls.py).
 
 What Dynamo's guards would also check stays the caller's promise (the contract):
   * Other Python state the forward reads besides its arguments (submodules' attributes, a
@@ -58,6 +58,7 @@ from torch import nn
 
 from torch_ext import compat
 from torch_ext.backend.dump import decompile
+from torch_ext.backend.runtime import serial_calls
 from torch_ext.backend.runtime.cudagraph.errors import CudaGraphError
 from torch_ext.backend.warm_start import program as warm_program
 from torch_ext.backend.warm_start.module import SavedStandIn
@@ -146,13 +147,19 @@ class GuardFreeDispatcher:
 
     @torch.compiler.disable  # an outer torch.compile calls it as is, never traces into it
     def __call__(self, *args, **kwargs):
+        # Compiled calls one at a time in the process, from the check on (runtime/serial_calls.py):
+        # threads waiting here leave the GIL to the call, which would otherwise lose it at every
+        # torch op. Calls through the guards (compiles) run outside it: a cold compile of one model
+        # does not stall another's calls.
+        serial_calls.ready_thread()
         stale = None  # the newest variant the call fits but the module's state does not (same mode first)
-        for check, fast, state in self._variants:
-            if check(*args, **kwargs):
-                if state.matches():
-                    return fast(*args, **kwargs)
-                if stale is None or (stale.changed()[:1] == ("training",) and state.changed()[:1] != ("training",)):
-                    stale = state
+        with serial_calls.LOCK:
+            for check, fast, state in self._variants:
+                if check(*args, **kwargs):
+                    if state.matches():
+                        return fast(*args, **kwargs)
+                    if stale is None or (stale.changed()[:1] == ("training",) and state.changed()[:1] != ("training",)):
+                        stale = state
         return self._guarded_call(args, kwargs, stale=stale)
 
     def __getattr__(self, name: str) -> Any:  # reach the module's attributes, as OptimizedModule does

@@ -8,7 +8,7 @@ directly and inlines the splitting ops' partitions (plain calls of the ops), and
 `split_gm` run it. The module stays what the backend returns (tests, dumps and the config
 reporter's hook read it); while it has forward hooks, a call takes nn.Module's path to run them.
 
-`serial`: calls of CPU graphs from many threads run one at a time (runtime/cpu_calls.py).
+`serial`: calls of CPU graphs from many threads run one at a time (runtime/serial_calls.py).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from torch_ext.backend.runtime.cpu_calls import serialized
+from torch_ext.backend.runtime.serial_calls import serialized
 from torch_ext.backend.runtime.straight_line import straight_line
 
 

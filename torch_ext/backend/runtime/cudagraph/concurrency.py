@@ -6,7 +6,8 @@ read back the same memory (also two different graphs: Dynamo's graph for batch 1
 share the pool), and in piecewise mode a piece's static outputs are still read by the splitting op and
 the pieces after it. `SerializedGraph` wraps what the backend returns when CUDA graphs are on:
 
-* one call at a time among all graphs of the backend (`CallOrder`): a lock around the whole forward;
+* one call at a time among all graphs of the process (`CallOrder`): the process's call lock around the
+  whole forward (runtime/serial_calls.py);
 * device side, a call on another stream than the previous call's waits for the work on that stream
   (an event recorded there): the GPU never runs two calls over the same buffers. Calls on one stream
   are ordered by the stream itself, so they pay only one C++ query of the current stream (a query
@@ -17,7 +18,7 @@ the pieces after it. `SerializedGraph` wraps what the backend returns when CUDA 
   still reads. With one thread, an output lives until the next call at its batch size (as with
   reduce-overhead), and is not copied.
 
-One lock means N threads get at most one thread's throughput of the graphs (bench/concurrency.py
+One lock means N threads get at most one thread's throughput of the graphs (bench/dev/concurrency.py
 measures it); the work between calls (the caller's own) still runs in parallel.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from torch_ext import compat
+from torch_ext.backend.runtime import serial_calls
 
 log = logging.getLogger("torch_ext.backend.cudagraph")
 
@@ -39,7 +41,9 @@ class CallOrder:
     stream of the last call's device work, and which threads have called."""
 
     def __init__(self):
-        self.lock = threading.RLock()  # re-entrant: full_and_piecewise falls back into its own pieces
+        # The process's call lock (re-entrant: full_and_piecewise falls back into its own pieces; one
+        # lock for every backend: no lock order between graphs calling graphs; runtime/serial_calls.py).
+        self.lock = serial_calls.LOCK
         self.stream: torch.cuda.Stream | None = None  # where the last call's work ran
         self.raw_stream: int | None = None  # its cudaStream_t (a cheap comparison)
         self.thread: int | None = None  # the only thread seen so far
