@@ -32,6 +32,7 @@ from torch_ext.backend.compile.compiler import say_fallback_once
 from torch_ext.backend.config import CompileConfig, resolve_op
 from torch_ext.backend.counters import counters
 from torch_ext.backend.runtime.straight_line import straight_line
+from torch_ext.backend.split.hoist import hoist_shared_values
 from torch_ext.backend.split.matcher import ATEN_FORMS, SplittingOpMatcher
 from torch_ext.backend.split.splitter import all_calls, is_trivial, split_graph
 
@@ -113,6 +114,7 @@ class JointCompiler:
             # Nothing to split at: Inductor's own compile of the graph, exactly as plain Inductor's.
             splits[kind] = graph
             return self.pieces.compile_whole(graph, inputs, kwargs, label)
+        hoist_shared_values(graph, self.is_splitting)  # so that no layer's piece computes them for the rest
         split = split_graph(graph, self.is_splitting, "inline")
         splitting = [p for p in split.pieces if p.kind == "splitting"]
         is_backward, is_inference = kind == "backward", kind == "inference"
