@@ -29,6 +29,7 @@ from torch_ext import compat
 from torch_ext.backend import dump
 from torch_ext.backend.compile.aten_pieces import AtenPieceCompiler, value_strides
 from torch_ext.backend.compile.compiler import say_fallback_once
+from torch_ext.backend.compile.siblings import PeeledPiece, peel_prologues, share_outputs
 from torch_ext.backend.config import CompileConfig, resolve_op
 from torch_ext.backend.counters import counters
 from torch_ext.backend.runtime.straight_line import straight_line
@@ -120,11 +121,21 @@ class JointCompiler:
         is_backward, is_inference = kind == "backward", kind == "inference"
         callables: dict[str, Callable] = {}
         compiled = {}
+        compute = {p.name: p.graph_module for p in split.pieces
+                   if p.kind == "compute" and not is_trivial(p.graph_module)}
+        peels = {}
+        if self.pieces.dedup:  # a layer the partitioner treated apart at its ends still shares its siblings' compile
+            share_outputs(split.split_gm, compute)
+            peels = peel_prologues(compute, lambda g, name: straight_line(g, {}, f"{label} {name}", boxed=False))
         for piece in split.pieces:
             gm = piece.graph_module
-            if piece.kind == "compute" and not is_trivial(gm):
+            if piece.name in compute:
+                peeled = peels.get(piece.name)
                 compiled[piece.name] = callables[piece.name] = self.pieces.compile(
-                    gm, is_backward=is_backward, is_inference=is_inference, label=f"{label} {piece.name}")
+                    peeled.remainder if peeled else gm, is_backward=is_backward, is_inference=is_inference,
+                    label=f"{label} {piece.name}")
+                if peeled:
+                    compiled[piece.name] = callables[piece.name] = PeeledPiece(peeled, compiled[piece.name])
                 counters.pieces += 1
             else:  # a splitting op, or sizes and tuple unpacking: plain Python, inlined
                 callables[piece.name] = straight_line(gm.graph, {}, f"{label} {piece.name}", boxed=False)
