@@ -30,6 +30,7 @@ from torch_ext.backend import dump
 from torch_ext.backend.compile.aten_pieces import AtenPieceCompiler, value_strides
 from torch_ext.backend.compile.compiler import say_fallback_once
 from torch_ext.backend.compile.siblings import PeeledPiece, peel_prologues, share_outputs
+from torch_ext.backend.compile.stack_room import with_stack_room
 from torch_ext.backend.config import CompileConfig, resolve_op
 from torch_ext.backend.counters import counters
 from torch_ext.backend.runtime.straight_line import straight_line
@@ -84,7 +85,9 @@ class JointCompiler:
         def inner_compile(graph: fx.GraphModule, inputs, **kwargs):
             is_backward = bool(kwargs.get("is_backward", False))
             kind = "backward" if is_backward else "inference" if kwargs.get("is_inference") else "forward"
-            return self._compile_graph(graph, inputs, kwargs, kind, f"{label} {kind}", wanted, dumper, splits)
+            # The backward graph compiles at the first backward, outside the backend's call (with_stack_room).
+            return with_stack_room(self._compile_graph, graph, inputs, kwargs, kind, f"{label} {kind}", wanted,
+                                   dumper, splits)
 
         for node in gm.graph.find_nodes(op="placeholder"):
             if not hasattr(node, "_dynamo_source"):  # a graph a warm start loaded: GraphPickler keeps meta only
