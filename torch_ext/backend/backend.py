@@ -21,6 +21,7 @@ from torch_ext.backend import dump
 from torch_ext.backend.compile.builder import VariantBuilder
 from torch_ext.backend.compile.cache import ArtifactStore, UnsafeCacheDirError, ensure_private_dir, model_key
 from torch_ext.backend.compile.compiler import InductorCompiler
+from torch_ext.backend.compile.stack_room import with_stack_room
 from torch_ext.backend.rewrite.decode import decode_rewrites
 from torch_ext.backend.rewrite.merge_projections import MergePlan, merge_projections
 from torch_ext.backend.runtime.checkpoint import CheckpointedRegion
@@ -82,6 +83,11 @@ class TorchExtBackend:
         """Compile a Dynamo graph. `store_key`: the piece cache's directory key saved with a warm-start
         entry (warm_start/program.py), where no Dynamo trace is there to derive it from. `rewritten`:
         gm is already the result of `self.rewrite` (warm start saves that graph), whose plan is `plan`."""
+        # On a stack chunk with room: how deep Dynamo called us must not decide the compile's speed.
+        return with_stack_room(self._compile, gm, example_inputs, store_key=store_key, rewritten=rewritten, plan=plan)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs, *, store_key: str | None, rewritten: bool,
+                 plan: MergePlan | None):
         if self.config.warm_start and not self.warm_start_used and not self._said_warm:
             self._said_warm = True
             log.warning("torch_ext: CompileConfig.warm_start applies to torch_ext.compile(model, config); "

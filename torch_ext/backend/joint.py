@@ -29,9 +29,12 @@ from torch_ext import compat
 from torch_ext.backend import dump
 from torch_ext.backend.compile.aten_pieces import AtenPieceCompiler, value_strides
 from torch_ext.backend.compile.compiler import say_fallback_once
+from torch_ext.backend.compile.siblings import PeeledPiece, peel_prologues, share_outputs
+from torch_ext.backend.compile.stack_room import with_stack_room
 from torch_ext.backend.config import CompileConfig, resolve_op
 from torch_ext.backend.counters import counters
 from torch_ext.backend.runtime.straight_line import straight_line
+from torch_ext.backend.split.hoist import hoist_shared_values
 from torch_ext.backend.split.matcher import ATEN_FORMS, SplittingOpMatcher
 from torch_ext.backend.split.splitter import all_calls, is_trivial, split_graph
 
@@ -82,7 +85,9 @@ class JointCompiler:
         def inner_compile(graph: fx.GraphModule, inputs, **kwargs):
             is_backward = bool(kwargs.get("is_backward", False))
             kind = "backward" if is_backward else "inference" if kwargs.get("is_inference") else "forward"
-            return self._compile_graph(graph, inputs, kwargs, kind, f"{label} {kind}", wanted, dumper, splits)
+            # The backward graph compiles at the first backward, outside the backend's call (with_stack_room).
+            return with_stack_room(self._compile_graph, graph, inputs, kwargs, kind, f"{label} {kind}", wanted,
+                                   dumper, splits)
 
         for node in gm.graph.find_nodes(op="placeholder"):
             if not hasattr(node, "_dynamo_source"):  # a graph a warm start loaded: GraphPickler keeps meta only
@@ -113,16 +118,27 @@ class JointCompiler:
             # Nothing to split at: Inductor's own compile of the graph, exactly as plain Inductor's.
             splits[kind] = graph
             return self.pieces.compile_whole(graph, inputs, kwargs, label)
+        hoist_shared_values(graph, self.is_splitting)  # so that no layer's piece computes them for the rest
         split = split_graph(graph, self.is_splitting, "inline")
         splitting = [p for p in split.pieces if p.kind == "splitting"]
         is_backward, is_inference = kind == "backward", kind == "inference"
         callables: dict[str, Callable] = {}
         compiled = {}
+        compute = {p.name: p.graph_module for p in split.pieces
+                   if p.kind == "compute" and not is_trivial(p.graph_module)}
+        peels = {}
+        if self.pieces.dedup:  # a layer the partitioner treated apart at its ends still shares its siblings' compile
+            share_outputs(split.split_gm, compute)
+            peels = peel_prologues(compute, lambda g, name: straight_line(g, {}, f"{label} {name}", boxed=False))
         for piece in split.pieces:
             gm = piece.graph_module
-            if piece.kind == "compute" and not is_trivial(gm):
+            if piece.name in compute:
+                peeled = peels.get(piece.name)
                 compiled[piece.name] = callables[piece.name] = self.pieces.compile(
-                    gm, is_backward=is_backward, is_inference=is_inference, label=f"{label} {piece.name}")
+                    peeled.remainder if peeled else gm, is_backward=is_backward, is_inference=is_inference,
+                    label=f"{label} {piece.name}")
+                if peeled:
+                    compiled[piece.name] = callables[piece.name] = PeeledPiece(peeled, compiled[piece.name])
                 counters.pieces += 1
             else:  # a splitting op, or sizes and tuple unpacking: plain Python, inlined
                 callables[piece.name] = straight_line(gm.graph, {}, f"{label} {piece.name}", boxed=False)

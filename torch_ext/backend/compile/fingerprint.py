@@ -29,7 +29,18 @@ def graph_fingerprint(gm: fx.GraphModule) -> str:
     return hashlib.sha256(canonical_text(gm).encode()).hexdigest()
 
 
-def canonical_text(gm: fx.GraphModule) -> str:
+def body_fingerprint(gm: fx.GraphModule) -> tuple[str, list[int]] | None:
+    """The fingerprint of gm but for what it returns, and the positions (in node order) of the nodes
+    it returns; None unless it returns a flat tuple of nodes."""
+    returned = gm.graph.output_node().args[0]
+    if not isinstance(returned, (tuple, list)) or not all(isinstance(n, fx.Node) for n in returned):
+        return None
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    text = canonical_text(gm, with_output=False)
+    return hashlib.sha256(text.encode()).hexdigest(), [position[n] for n in returned]
+
+
+def canonical_text(gm: fx.GraphModule, with_output: bool = True) -> str:
     names: dict[fx.Node, str] = {}
     lines: list[str] = []
     storages: list[Any] = []
@@ -44,7 +55,8 @@ def canonical_text(gm: fx.GraphModule) -> str:
                 line += _alias_note(value, storages)
             lines.append(line)
         elif node.op == "output":
-            lines.append(f"return {fmt(node.args[0])}")
+            if with_output:
+                lines.append(f"return {fmt(node.args[0])}")
         elif node.op == "get_attr":
             lines.append(f"{name} = attr {_describe_attr(_get_attr(gm, node.target))}")
         elif node.op == "call_module":
