@@ -10,7 +10,10 @@ splitting ops as the opaque ops they are (custom ops; SDPA as the ATen attention
 matcher.ATEN_FORMS), Inductor's min-cut partitioner honours checkpoint tags (memory as Inductor's,
 selective policies included), and each graph it makes is split (split/splitter.py), its distinct
 pieces compiled by Inductor once (compile/aten_pieces.py) and called from generated code
-(runtime/straight_line.py): one autograd.Function per graph, not per piece.
+(runtime/straight_line.py): one autograd.Function per graph, not per piece. Where the partitioner
+treated a layer apart at the model's ends (a value of the whole model recomputed in one layer's piece,
+another tensor saved for the first layer), its piece still shares its siblings' compile
+(split/hoist.py, compile/siblings.py): a 32-layer Llama compiles 6 distinct pieces.
 
 Used for graphs compiled while autograd records, unless a splitting op would not survive
 AOTAutograd as one call (a Python function Dynamo kept whole, a composite custom op) or
