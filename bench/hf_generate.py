@@ -19,13 +19,18 @@ Columns (each phase of each column is a process of its own, with its own cache d
            guard_free_dispatch=True)): warm start loads the prefill and decode programs
   ext-split  the same, split at aten::scaled_dot_product_attention: one Inductor compile per distinct
            layer instead of the whole model (the whole step still one CUDA graph)
+  ext-bg   ext with background_compile=True: a call whose program is not ready runs the forward
+           eagerly while the compile thread loads or compiles it (the first generate runs eagerly, cold
+           or warm); "ready s" is when every program is (torch_ext.wait_compiled())
 Per process, the phases to the first token (what a server waits for), each from the process's start
 or its own: "imports" (torch, transformers, torch_ext), "model" (building it), "first token" (from
 the first generate's call to its first new token: compile or load of the prefill program, the
 prefill), "programs" (torch_ext: finding the programs, loaded or traced and compiled; "inductor": of
 which Inductor compiles and artifact loads), "capture" (torch_ext's CUDA-graph captures, all of
 them), "longest gap" (the longest wait between two tokens of the first generate: the decode
-program's load or compile, warm-up and capture), "first generate" and "process" (start to its end).
+program's load or compile, warm-up and capture), "first generate" and "process" (start to its end),
+"ready" (from the first generate's call until every program is loaded or compiled: ext-bg keeps
+compiling after its eager first generate), "eager-calls" (ext-bg's calls run eagerly meanwhile).
 Then the steady state, a third generate: "ms/token" (its new tokens over its time, as before),
 "median gap" (the median time between two tokens: the decode step as a server sees it, without the
 graphs generate's new cache captures again), "max gap", and torch_ext's captures, re-captures and
@@ -41,7 +46,7 @@ import sys
 import tempfile
 import time
 
-COLUMNS = ("eager", "hf-auto", "ext", "ext-split")  # and "ro" on request (--columns): it fails under generate on 2.11
+COLUMNS = ("eager", "hf-auto", "ext", "ext-split", "ext-bg")  # and "ro" on request (--columns): it fails under generate on 2.11
 
 
 def child(args) -> None:
@@ -110,9 +115,10 @@ def child(args) -> None:
     elif column == "ro":
         model.generation_config.disable_compile = True
         model.forward = torch.compile(model.forward, mode="reduce-overhead")
-    elif column in ("ext", "ext-split"):
+    elif column in ("ext", "ext-split", "ext-bg"):
         model.forward = torch_ext.compile(model.forward, torch_ext.CompileConfig(
             cache_dir=os.path.join(args.cache, "torch_ext"), progress_bar=False, guard_free_dispatch=True,
+            background_compile=column == "ext-bg",
             cudagraph_mode="full" if device == "cuda" else "none",
             splitting_ops=("aten::scaled_dot_product_attention",) if column == "ext-split" else ()))
     first_times = Times()
@@ -123,6 +129,9 @@ def child(args) -> None:
     if args.profile:
         profiler.disable()
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(45)
+    torch_ext.wait_compiled()  # ext-bg: the programs compiled meanwhile (others: nothing to wait for)
+    ready = time.time() - start
+    eager_calls = counters.background_eager_calls
     generate()  # the graphs of a new cache are captured in the calls after the first
     steady = Times()
     graphs = dict(vars(cudagraph_stats))
@@ -142,7 +151,7 @@ def child(args) -> None:
     gaps = steady.gaps()
     print(json.dumps({
         "imports": imports, "model": model_s, "first_token": first_times.at[1] - t, "first": first,
-        "process": process, "programs": counters.warm_start_seconds,
+        "process": process, "ready": ready, "eager_calls": eager_calls, "programs": counters.warm_start_seconds,
         "inductor": counters.compile_seconds + counters.load_seconds, "capture": cudagraph_stats.capture_seconds,
         "longest_gap": max(first_times.gaps()) * 1e3, "ms_per_token": per_token,
         "median_gap": gaps[len(gaps) // 2] * 1e3, "max_gap": gaps[-1] * 1e3,
@@ -213,7 +222,7 @@ def main() -> int:
     ready = (("imports", "imports s", "{:.2f}"), ("model", "model s", "{:.2f}"), ("first_token", "first token s", "{:.2f}"),
              ("programs", "programs s", "{:.2f}"), ("inductor", "inductor s", "{:.2f}"), ("capture", "capture s", "{:.2f}"),
              ("longest_gap", "longest gap ms", "{:.0f}"), ("first", "first generate s", "{:.2f}"),
-             ("process", "process s", "{:.2f}"))
+             ("process", "process s", "{:.2f}"), ("ready", "ready s", "{:.2f}"))
     steady = (("ms_per_token", "ms/token", "{:.2f}"), ("median_gap", "median gap ms", "{:.2f}"),
               ("max_gap", "max gap ms", "{:.1f}"))
     for title, fields, ratios in (("To the first token", ready, ("first_token", "first", "process")),
@@ -221,7 +230,7 @@ def main() -> int:
         print(f"\n{title}")
         head = f"{'column':<9} {'phase':<5} " + " ".join(
             f"{label:>{max(len(label), 7)}}" + (f" {'x hf':>5}" if key in ratios else "") for key, label, _ in fields)
-        extra = "  loads frames tokens=eager" if fields is ready else "  captures recaptures uncaptured"
+        extra = "  loads frames eager-calls tokens=eager" if fields is ready else "  captures recaptures uncaptured"
         print(head + extra)
         for (column, phase), r in results.items():
             if not r:
@@ -234,7 +243,7 @@ def main() -> int:
                 if key in ratios:
                     cells.append(f"{r[key] / base[key]:>5.2f}" if base.get(key) else f"{'-':>5}")
             if fields is ready:
-                tail = f"  {r['loads']:>5} {r['frames']:>6} {matching(r['tokens'], expected)}"
+                tail = f"  {r['loads']:>5} {r['frames']:>6} {r['eager_calls']:>11} {matching(r['tokens'], expected)}"
             else:
                 g = r["steady_graphs"]
                 tail = f"  {g['captures']:>8} {g['recaptures']:>10} {g['uncaptured_runs']:>10}"

@@ -16,6 +16,7 @@ __all__ = [
     "CompileConfig",
     "backend",
     "compile",
+    "wait_compiled",
 ]
 
 
@@ -29,4 +30,8 @@ def __getattr__(name):
         from torch_ext.backend.dispatch.entry import compile
 
         return compile
+    if name == "wait_compiled":  # programs CompileConfig.background_compile compiles on its thread
+        from torch_ext.backend.warm_start.background import wait_compiled
+
+        return wait_compiled
     raise AttributeError(f"module 'torch_ext' has no attribute {name!r}")

@@ -246,6 +246,9 @@ class CompileConfig:
     # tracing (backend/warm_start/). None: on where a cache_dir is set and torch has AOT compile
     # (2.11+); True: the same, said once where it cannot be; False: off.
     warm_start: bool | None = None
+    # torch_ext.compile: a call with autograd off whose program is not ready runs the forward eagerly
+    # while one compile thread loads or compiles it (backend/warm_start/background.py; needs warm start).
+    background_compile: bool = False
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -302,7 +305,8 @@ class CompileConfig:
         set_("debug_dump_dir", os.path.abspath(os.path.expanduser(dump)) if dump else None)
 
         for flag in ("dedup", "cudagraph_check_addresses", "guard_free_dispatch", "unfuse_output_addmm",
-                     "merge_projections", "decode_linear_fusion", "differentiate_once", "kernel_tuning"):
+                     "merge_projections", "decode_linear_fusion", "differentiate_once", "kernel_tuning",
+                     "background_compile"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(flag, f"expected True or False, got {getattr(self, flag)!r}", f"Write {flag}=True")
         for flag in ("decode_attention", "decode_linear"):
@@ -315,6 +319,9 @@ class CompileConfig:
         if self.warm_start and not self.cache_dir:
             _fail("warm_start", "is True but cache_dir is None: the traced program is saved in the cache dir",
                   "Set cache_dir, or warm_start=None/False")
+        if self.background_compile and (self.warm_start is False or not self.cache_dir):
+            _fail("background_compile", "needs warm start: the compile thread traces through its AOT compile and "
+                  "saves the program", "Set cache_dir (and leave warm_start=None or True)")
         if self.progress_bar is not None and not isinstance(self.progress_bar, bool):
             _fail("progress_bar", f"expected True, False or None, got {self.progress_bar!r}",
                   "None shows bars only on a terminal")

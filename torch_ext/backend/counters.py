@@ -39,6 +39,10 @@ class BackendCounters:
     warm_start_saves: int = 0
     warm_start_fallbacks: int = 0
     warm_start_seconds: float = 0.0  # wall time finding programs: loading them, or tracing and saving
+    # CompileConfig.background_compile (warm_start/background.py): calls run eagerly while their program
+    # was on its way, and programs looked for on the compile thread.
+    background_eager_calls: int = 0
+    background_compiles: int = 0
     # Inductor compiles per variant: "general", "size=8", "range=[1,16)".
     compiles_by_variant: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 

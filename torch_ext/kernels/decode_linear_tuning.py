@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from torch_ext import process_lock
 from torch_ext.kernels import decode_linear as op, decode_linear_mma as mma
 
 log = logging.getLogger("torch_ext.backend")
@@ -117,24 +118,27 @@ class _Bench:
     def time(self, run: Callable[[torch.Tensor], object]) -> float:
         """Microseconds per run(weight), captured once over every copy and replayed (launch gaps as in a
         model's CUDA graph)."""
-        graph = torch.cuda.CUDAGraph()
-        stream = _capture_stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for w in self.weights:  # warm the launch path on the capture stream
-                run(w)
-            with torch.cuda.graph(graph, stream=stream):
-                for w in self.weights:
+        # Under the process lock: a compile on the background thread times while no call queues kernels
+        # beside these; the capture is thread-local, so another thread's allocations cannot break it.
+        with process_lock.LOCK:
+            graph = torch.cuda.CUDAGraph()
+            stream = _capture_stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for w in self.weights:  # warm the launch path on the capture stream
                     run(w)
-        torch.cuda.current_stream().wait_stream(stream)
-        for _ in range(3):
-            graph.replay()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(10)]
-        for start, end in events:
-            start.record()
-            graph.replay()
-            end.record()
-        torch.cuda.synchronize()
+                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                    for w in self.weights:
+                        run(w)
+            torch.cuda.current_stream().wait_stream(stream)
+            for _ in range(3):
+                graph.replay()
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(10)]
+            for start, end in events:
+                start.record()
+                graph.replay()
+                end.record()
+            torch.cuda.synchronize()
         return sorted(s.elapsed_time(e) for s, e in events)[len(events) // 2] * 1e3 / len(self.weights)
 
 

@@ -61,6 +61,7 @@ from torch_ext.backend.dump import decompile
 from torch_ext.backend.runtime import serial_calls
 from torch_ext.backend.runtime.cudagraph.errors import CudaGraphError
 from torch_ext.backend.warm_start import program as warm_program
+from torch_ext.backend.warm_start.background import background_finder
 from torch_ext.backend.warm_start.module import SavedStandIn
 from torch_ext.backend.dispatch.module_state import ModuleState
 from torch_ext.backend.dispatch.signature import CallSignature
@@ -136,6 +137,7 @@ class GuardFreeDispatcher:
         # Warm start (warm_start/program.py): a call no armed variant takes runs, and arms, a saved program.
         self.warm = warm_program.for_forward(model, func, self_arg, backend, dynamic) if warm_start else None
         self._warm_programs: tuple = ()  # loaded or traced by warm start, newest first
+        self.background = background_finder(self.warm, model, backend.config)
         _ensure_hook()
 
     def __reduce__(self):  # pickled with a module whose forward it replaced (see SavedStandIn)
@@ -187,6 +189,12 @@ class GuardFreeDispatcher:
             # The saved guards first: a program armed for other calls may take this one too (an argument
             # object the signature checks by identity, generate's new cache; a value it checks exactly).
             program = next((p for p in self._warm_programs if p.accepts(args, kwargs)), None)
+            if program is None and self.background is not None and self.background.eligible():
+                eager, found = self.background.find(args, kwargs, self._warm_programs)
+                self._warm_programs = tuple(found) + self._warm_programs
+                program = next((p for p in found if p.accepts(args, kwargs)), None)
+                if program is None and eager:  # its program is on its way: run the forward meanwhile
+                    return self.background.run_eagerly(args, kwargs)
             if program is None:
                 program, loaded = self.warm.find(args, kwargs, self._warm_programs)
                 self._warm_programs = tuple(loaded) + self._warm_programs

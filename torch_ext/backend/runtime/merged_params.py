@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from torch_ext import compat
+from torch_ext import compat, process_lock
 from torch_ext.backend.counters import counters
 from torch_ext.backend.rewrite.merge_projections import ALIGNMENT, MergePlan
 
@@ -204,7 +204,10 @@ class MergedParams:
 
     def bind(self, args) -> None:
         """Make the buffers from the parameters in `args` (real tensors; not fake ones of a graph
-        loaded for a warm start: then the first call does it) and rebind the parameters to them."""
+        loaded for a warm start: then the first call does it) and rebind the parameters to them. Not on the
+        background compiler's thread: the caller's thread may be running the model eagerly meanwhile."""
+        if process_lock.in_background():
+            return
         if all(_is_real(args[i]) for group in self.plan.groups for i in group.weight_inputs + group.bias_inputs):
             self._resolve(list(args))
 

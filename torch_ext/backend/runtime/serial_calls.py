@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-LOCK = threading.RLock()
+from torch_ext.process_lock import LOCK  # noqa: F401 (the lock this module's calls take)
+
 _thread = threading.local()
 
 

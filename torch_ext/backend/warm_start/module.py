@@ -9,7 +9,10 @@ from typing import Any
 import torch
 
 from torch_ext.backend.counters import counters
+from torch_ext.backend.warm_start.background import background_finder
 from torch_ext.backend.warm_start.program import Program, WarmStart
+
+_EAGER = object()  # _find's answer for a call that runs eagerly while its program is on its way
 
 
 class SavedStandIn:
@@ -37,6 +40,7 @@ class WarmStartModule:
         self.model = model
         self.compiled = compiled  # torch.compile(model, backend=...): traces only for calls no program takes
         self.warm = warm
+        self.background = background_finder(warm, model, warm.backend.config)
         self.programs: tuple[Program, ...] = ()  # newest first; replaced whole (other threads read it)
         self._lock = threading.Lock()
 
@@ -49,6 +53,8 @@ class WarmStartModule:
             if program.accepts(args, kwargs):
                 return program(args, kwargs)
         program = self._find(args, kwargs)
+        if program is _EAGER:  # its program is on its way (background.py): run the forward meanwhile
+            return self.background.run_eagerly(args, kwargs)
         if program is not None:
             return program(args, kwargs)
         counters.warm_start_fallbacks += 1
@@ -59,6 +65,12 @@ class WarmStartModule:
             for program in self.programs:  # another thread may have found it meanwhile
                 if program.accepts(args, kwargs):
                     return program
+            if self.background is not None and self.background.eligible():
+                eager, found = self.background.find(args, kwargs, self.programs)
+                self.programs = tuple(found) + self.programs
+                program = next((p for p in found if p.accepts(args, kwargs)), None)
+                if program is not None or eager:
+                    return program or _EAGER
             found, loaded = self.warm.find(args, kwargs, self.programs)
             self.programs = tuple(reversed(loaded)) + self.programs
             if found is None and self.programs:

@@ -30,6 +30,7 @@ import inspect
 import logging
 import os
 import pickle
+import threading
 import time
 import types
 from typing import Any
@@ -133,6 +134,7 @@ class WarmStart:
         # for them on every call. Missing a program later costs speed only: torch.compile serves them.
         self._found_nothing: set = set()
         self._shapes: dict[str, dict] = {}  # static entry name -> tensor shapes of the call it served
+        self.lock = threading.RLock()
 
     def say(self, key: str, msg: str, *args, level: int = logging.INFO) -> None:
         """One log line per kind of event."""
@@ -148,13 +150,17 @@ class WarmStart:
         traced with every dim dynamic, as Dynamo's automatic dynamic would after a recompile (unless
         `dynamic=False`). At most MAX_PROGRAMS entries per forward and process. `at_hand`: the
         programs the caller holds (none accepts this call)."""
+        with self.lock:  # the compile thread (background.py) and callers' threads
+            return self._find(args, kwargs, at_hand)
+
+    def _find(self, args: tuple, kwargs: dict, at_hand: tuple[Program, ...]) -> tuple[Program | None, list[Program]]:
         if at_hand and "mismatch" not in self._said:  # the reason costs a verbose guard pass: build it once
             self.say("mismatch", "a call the saved program was not traced for (%s); looking for one traced for it",
                      at_hand[0].mismatch(args, kwargs))
         found, loaded = None, []
         if self._refused or len(self._tried) >= MAX_PROGRAMS:  # (each look costs a key: the model's digest)
             return found, loaded
-        shape = _call_shape(args, kwargs)
+        shape = call_shape(args, kwargs)
         if shape in self._found_nothing:
             return found, loaded
         static_name = None
@@ -370,7 +376,7 @@ def _write(store: ArtifactStore, name: str, entry: dict) -> bool:
         return False
 
 
-def _call_shape(args: tuple, kwargs: dict) -> tuple:
+def call_shape(args: tuple, kwargs: dict) -> tuple:
     """What tells calls apart cheaply: tensors by shape, dtype and device, anything else by type."""
     def one(v):
         return (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else type(v)
