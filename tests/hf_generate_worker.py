@@ -5,7 +5,7 @@ eager generate's tokens, the counters, Dynamo's frame count and the seconds from
 the end of generate.
 
     python tests/hf_generate_worker.py CACHE_DIR [--arch llama] [--dtype float32] [--layers 2]
-                                       [--rope-theta T] [--plain] [--fx-pieces] [--guard-free] [--generates N]
+                                       [--rope-theta T] [--plain] [--fx-pieces] [--guard-free] [--background] [--generates N]
                                        [--batch 2] [--prompt 6] [--steps 6] [--decode-ops]
                                        [--cudagraph full] [--device cuda] [--describe] [--kernels]
 
@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--plain", action="store_true")
     parser.add_argument("--fx-pieces", action="store_true")
     parser.add_argument("--guard-free", action="store_true", help="CompileConfig.guard_free_dispatch")
+    parser.add_argument("--background", action="store_true", help="CompileConfig.background_compile")
     parser.add_argument("--generates", type=int, default=1, help="calls of generate (each makes a new cache)")
     parser.add_argument("--decode-ops", action="store_true")
     parser.add_argument("--cudagraph", default="none")
@@ -147,10 +148,12 @@ def main() -> None:
         splitting = ["aten::scaled_dot_product_attention"] if args.split == "sdpa" else []
         config = CompileConfig(cache_dir=args.cache_dir, splitting_ops=splitting,
                                progress_bar=False, guard_free_dispatch=args.guard_free, cudagraph_mode=args.cudagraph,
+                               background_compile=args.background,
                                **(dict(decode_linear=True, decode_attention=True) if args.decode_ops and args.cudagraph == "none" else {}))
         model.forward = torch_ext.compile(model.forward, config)
     tokens = generate(model, ids, args.steps)
     seconds = time.perf_counter() - start
+    torch_ext.wait_compiled()  # --background: the programs of the first generate's eager calls
     for _ in range(args.generates - 1):
         assert torch.equal(generate(model, ids, args.steps), tokens)
     extra = {}

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from torch_ext import process_lock
+from torch_ext import compat, process_lock
 from torch_ext.backend.counters import counters
 from torch_ext.backend.warm_start.program import availability, call_shape
 
@@ -102,8 +102,9 @@ class BackgroundFinder:
 
     @staticmethod
     def eligible() -> bool:
-        """Calls that record no autograd and run without autocast (whose state the compile thread lacks)."""
-        return not torch.is_grad_enabled() and not _autocast_on()
+        """Calls that record no autograd and run with no mode, autocast or functorch transform (thread
+        state the compile thread lacks)."""
+        return not torch.is_grad_enabled() and compat.no_modes_or_autocast_active()
 
     def find(self, args: tuple, kwargs: dict, at_hand: tuple) -> tuple[bool, list]:
         """(whether this call runs eagerly: its program is on its way, every program found since the
@@ -174,10 +175,6 @@ def _snapshot(value, memo: dict, depth: int = 0):
         return value
     memo[id(value)] = out
     return out
-
-
-def _autocast_on() -> bool:
-    return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
 
 def _submit(job: _Job) -> None:
