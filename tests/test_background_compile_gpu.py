@@ -26,7 +26,9 @@ def test_background_compile_under_generate_with_cuda_graphs(tmp_path):
     again = run_worker(tmp_path, *ARGS)
     for run in (cold, again):
         assert run["tokens"] == run["expected"]  # the eager first generate, then two compiled ones (checked equal)
-        assert run["counters"]["background_eager_calls"] == 16  # the first generate's prefill and 15 decode steps
+        # From the first call until the programs are ready (how many depends on the compile's speed: the
+        # switch may come in the middle of the first generate, captures on this thread beside the compile)
+        assert 1 <= run["counters"]["background_eager_calls"] <= 16
         assert run["cudagraph_stats"]["captures"] > 0
     assert warm(cold["counters"]) == (0, 2, 0) and warm(again["counters"]) == (2, 0, 0)
     assert again["describe"] == cold["describe"]
