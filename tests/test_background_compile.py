@@ -56,6 +56,7 @@ def frames() -> int:
 @pytest.mark.parametrize("guard_free", [True, False], ids=["guard-free", "warm-start-module"])
 def test_first_call_runs_eagerly_then_the_program_serves_new_caches(tmp_path, guard_free):
     torch.manual_seed(0)
+    interval = sys.getswitchinterval()
     model = Accumulate().eval()
     compiled = torch_ext.compile(model, CompileConfig(cache_dir=str(tmp_path), background_compile=True,
                                                       guard_free_dispatch=guard_free, progress_bar=False))
@@ -67,6 +68,7 @@ def test_first_call_runs_eagerly_then_the_program_serves_new_caches(tmp_path, gu
         torch.testing.assert_close(out, model(xs[0], reference))
         assert torch_ext.wait_compiled(600)
         assert counters.background_compiles == 1 and counters.warm_start_saves == 1
+        assert sys.getswitchinterval() == interval  # lowered while the compile thread worked, then put back
         traced = frames()
         # New caches (total None): the program was traced as the call found its cache, not as the eager
         # run left it, so its guards take these calls: no trace in the foreground.
