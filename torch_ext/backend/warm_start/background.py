@@ -203,8 +203,8 @@ def _work() -> None:
     while True:
         job = _jobs.get()
         before = sys.getswitchinterval()  # the process's own, or ours where the previous job left it set
-        ours = min(before, SWITCH_INTERVAL)
-        sys.setswitchinterval(ours)
+        sys.setswitchinterval(min(before, SWITCH_INTERVAL))
+        ours = sys.getswitchinterval()  # as CPython rounds it
         try:
             job.run()
         except BaseException as e:  # the next call of its kind compiles in the foreground and raises there
