@@ -188,3 +188,30 @@ def test_generate_runs_eagerly_first_then_later_processes_load_the_programs(tmp_
     assert again["tokens"] == again["expected"] == cold["tokens"]
     assert (c["warm_start_loads"], c["warm_start_saves"], c["warm_start_fallbacks"]) == (2, 0, 0)
     assert again["dynamo_frames"].get("total", 0) == 0
+
+
+@needs_aot
+def test_an_eager_call_that_compiles_a_region_waits_for_the_compile_thread_and_is_right(tmp_path):
+    """The eager forward compiles a submodule of its own (torch.compile inside): Dynamo's compile lock,
+    which the compile thread holds, makes it wait; nothing deadlocks and every output is eager's."""
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.compile(nn.Linear(8, 8), backend="eager")
+            self.out = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.out(self.inner(x).relu())
+
+    torch.manual_seed(0)
+    model = Outer().eval()
+    compiled = torch_ext.compile(model, CompileConfig(cache_dir=str(tmp_path), background_compile=True,
+                                                      guard_free_dispatch=True, progress_bar=False))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model.out(model.inner._orig_mod(x).relu())
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), expected)
+        assert torch_ext.wait_compiled(600)
+        torch.testing.assert_close(compiled(x), expected)
+    assert counters.background_eager_calls >= 1 and counters.background_compiles == 1

@@ -1,10 +1,11 @@
 """The process-wide lock of compiled calls, and which thread compiles in the background.
 
 One re-entrant lock for the process. Compiled calls take it (backend/runtime/serial_calls.py says
-why), and so does whatever times kernels on the GPU (kernels/decode_linear_tuning.py): a compile on
-the background thread (backend/warm_start/background.py) then never times its candidates while a
-call queues its own kernels beside them. At the bottom of the layers, so kernels and every backend
-stage reach it.
+why), and whatever times kernels on the GPU (kernels/decode_linear_tuning.py) waits for it a while
+(`quiet`): a compile on the background thread (backend/warm_start/background.py) then does not time
+its candidates while a call queues its own kernels beside them. Only a while: that thread holds
+Dynamo's compile lock, which a call under this lock may want for a lazy compile (waiting without a
+limit could deadlock). At the bottom of the layers, so kernels and every backend stage reach it.
 """
 from __future__ import annotations
 
@@ -28,3 +29,14 @@ def background():
         yield
     finally:
         _thread.background = False
+
+
+@contextlib.contextmanager
+def quiet(timeout: float = 1.0):
+    """The lock for the block if it comes within `timeout` seconds; the block runs either way."""
+    held = LOCK.acquire(timeout=timeout)
+    try:
+        yield held
+    finally:
+        if held:
+            LOCK.release()

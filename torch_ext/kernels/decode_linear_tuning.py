@@ -118,9 +118,9 @@ class _Bench:
     def time(self, run: Callable[[torch.Tensor], object]) -> float:
         """Microseconds per run(weight), captured once over every copy and replayed (launch gaps as in a
         model's CUDA graph)."""
-        # Under the process lock: a compile on the background thread times while no call queues kernels
-        # beside these; the capture is thread-local, so another thread's allocations cannot break it.
-        with process_lock.LOCK:
+        # Under the process lock where it comes: a compile on the background thread times while no call
+        # queues kernels beside these; the capture is thread-local, so another thread cannot break it.
+        with process_lock.quiet():
             graph = torch.cuda.CUDAGraph()
             stream = _capture_stream(self.device)
             stream.wait_stream(torch.cuda.current_stream())

@@ -7,7 +7,8 @@ cache dir, else traced through AOT compile, compiled and saved). Calls of that k
 eagerly until the program is ready; the first call after that runs it, and CUDA graphs are captured
 there, on the caller's thread, never on the compile thread. While it compiles, the compile thread
 leaves the model's parameters as they are (merged projections bind at the first call of the
-program) and times kernels only under the process lock, which calls hold (process_lock.py).
+program), holds Dynamo's compile lock (compiles of other threads wait), and times kernels under the
+process lock where it comes within a second (process_lock.py).
 
 Why one compile thread: Dynamo's and Inductor's config is process-wide and patched during a compile;
 compiles one at a time keep each in its own, as in the foreground. Calls that record autograd
@@ -57,7 +58,10 @@ class _Job:
     def run(self) -> None:
         grad = torch.inference_mode() if self.inference else torch.no_grad()
         device = torch.cuda.device(self.device) if self.device is not None else _nothing()
-        with process_lock.background(), grad, device:
+        # Dynamo's compile lock, as its own compiles hold it (AOT compile does not take it): a compile of
+        # another thread waits instead of sharing the process-wide configs. After the entry's lock,
+        # the order a foreground call takes them in.
+        with process_lock.background(), grad, device, self.finder.warm.lock, compat.compile_lock():
             found, self.programs = self.finder.warm.find(self.args, self.kwargs, self.at_hand)
         self.args = self.kwargs = self.at_hand = None  # the call's tensors (a cache) are not held longer
         seconds = time.perf_counter() - self.submitted
@@ -128,8 +132,9 @@ class BackgroundFinder:
         return True, found
 
     def run_eagerly(self, args: tuple, kwargs: dict):
-        with process_lock.LOCK:  # one call at a time, as compiled calls (and no kernel timing beside it)
-            return self.eager(*args, **kwargs)
+        # Not under the process lock: an eager forward may compile a region of its own (Dynamo's compile
+        # lock, held by the compile thread meanwhile); a compiled call's runners take it themselves.
+        return self.eager(*args, **kwargs)
 
     def _collect(self) -> list:
         out = []
