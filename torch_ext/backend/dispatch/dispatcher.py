@@ -190,10 +190,9 @@ class GuardFreeDispatcher:
             # object the signature checks by identity, generate's new cache; a value it checks exactly).
             program = next((p for p in self._warm_programs if p.accepts(args, kwargs)), None)
             if program is None and self.background is not None and self.background.eligible():
-                eager, found = self.background.find(args, kwargs, self._warm_programs)
+                program, eager, found = self.background.find(args, kwargs, self._warm_programs)
                 self._warm_programs = tuple(found) + self._warm_programs
-                program = next((p for p in found if p.accepts(args, kwargs)), None)
-                if program is None and eager:  # its program is on its way: run the forward meanwhile
+                if eager:  # its program is on its way: run the forward meanwhile
                     return self.background.run_eagerly(args, kwargs)
             if program is None:
                 program, loaded = self.warm.find(args, kwargs, self._warm_programs)

@@ -16,6 +16,7 @@ compiles one at a time keep each in its own, as in the foreground. Calls that re
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import queue
@@ -53,11 +54,12 @@ class _Job:
         self.device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self.submitted = time.perf_counter()
         self.done = False
+        self.collected = False  # its programs were handed to the dispatcher
         self.programs: list = []  # loaded or traced on the way (the one for this call among them)
 
     def run(self) -> None:
         grad = torch.inference_mode() if self.inference else torch.no_grad()
-        device = torch.cuda.device(self.device) if self.device is not None else _nothing()
+        device = torch.cuda.device(self.device) if self.device is not None else contextlib.nullcontext()
         # Dynamo's compile lock, as its own compiles hold it (AOT compile does not take it): a compile of
         # another thread waits instead of sharing the process-wide configs. After the entry's lock,
         # the order a foreground call takes them in.
@@ -71,14 +73,6 @@ class _Job:
         else:
             self.finder.warm.say("background none", "no program for a call on the compile thread (%.2f s); "
                                  "such calls go through torch.compile", seconds, level=logging.WARNING)
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def background_finder(warm, model, config) -> "BackgroundFinder | None":
@@ -104,7 +98,6 @@ class BackgroundFinder:
         self.warm = warm
         self.eager = eager  # the forward itself, uncompiled
         self._jobs: dict[tuple, _Job] = {}  # by kind of call: (shapes, dtypes, types, grad mode)
-        self._collected: set[int] = set()  # jobs whose programs were handed over
 
     @staticmethod
     def eligible() -> bool:
@@ -112,12 +105,14 @@ class BackgroundFinder:
         state the compile thread lacks)."""
         return not torch.is_grad_enabled() and compat.no_modes_or_autocast_active()
 
-    def find(self, args: tuple, kwargs: dict, at_hand: tuple) -> tuple[bool, list]:
-        """(whether this call runs eagerly: its program is on its way, every program found since the
-        last look). False with nothing that accepts it: the call goes the foreground way."""
+    def find(self, args: tuple, kwargs: dict, at_hand: tuple) -> tuple:
+        """(the program found since the last look that accepts this call or None, whether the call runs
+        eagerly: its program is on its way, every program found since the last look). None and False:
+        the call goes the foreground way."""
         found = self._collect()
-        if any(p.accepts(args, kwargs) for p in found):
-            return False, found
+        program = next((p for p in found if p.accepts(args, kwargs)), None)
+        if program is not None:
+            return program, False, found
         kind = (call_shape(args, kwargs), torch.is_inference_mode_enabled())
         job = self._jobs.get(kind)
         if job is None:
@@ -127,9 +122,9 @@ class BackgroundFinder:
                           "torch_ext.wait_compiled() waits for it")
             _submit(job)
         if job.done:
-            return False, found
+            return None, False, found
         counters.background_eager_calls += 1
-        return True, found
+        return None, True, found
 
     def run_eagerly(self, args: tuple, kwargs: dict):
         # Not under the process lock: an eager forward may compile a region of its own (Dynamo's compile
@@ -139,8 +134,8 @@ class BackgroundFinder:
     def _collect(self) -> list:
         out = []
         for job in self._jobs.values():
-            if job.done and id(job) not in self._collected:
-                self._collected.add(id(job))
+            if job.done and not job.collected:
+                job.collected = True
                 out.extend(job.programs)
         return out
 
@@ -231,8 +226,3 @@ def wait_compiled(timeout: float | None = None) -> bool:
     seconds passed first."""
     with _state:
         return _state.wait_for(lambda: _unfinished == 0, timeout)
-
-
-def pending() -> int:
-    """Programs queued or compiling on the compile thread."""
-    return _unfinished

@@ -66,9 +66,8 @@ class WarmStartModule:
                 if program.accepts(args, kwargs):
                     return program
             if self.background is not None and self.background.eligible():
-                eager, found = self.background.find(args, kwargs, self.programs)
+                program, eager, found = self.background.find(args, kwargs, self.programs)
                 self.programs = tuple(found) + self.programs
-                program = next((p for p in found if p.accepts(args, kwargs)), None)
                 if program is not None or eager:
                     return program or _EAGER
             found, loaded = self.warm.find(args, kwargs, self.programs)
