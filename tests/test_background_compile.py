@@ -215,3 +215,15 @@ def test_an_eager_call_that_compiles_a_region_waits_for_the_compile_thread_and_i
         assert torch_ext.wait_compiled(600)
         torch.testing.assert_close(compiled(x), expected)
     assert counters.background_eager_calls >= 1 and counters.background_compiles == 1
+
+
+def test_torch_compile_with_the_backend_says_background_compile_does_not_apply(tmp_path, caplog):
+    model = Accumulate().eval()
+    config = CompileConfig(cache_dir=str(tmp_path), background_compile=True)
+    x = torch.randn(4, 16)
+    with caplog.at_level("WARNING", logger="torch_ext.backend"), torch.no_grad():
+        out = torch.compile(model, backend=torch_ext.backend(config))(x, Cache())
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "background_compile applies to torch_ext.compile" in said
+    assert counters.background_eager_calls == 0  # compiled at the call, as it says
+    torch.testing.assert_close(out, model(x, Cache()))

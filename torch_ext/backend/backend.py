@@ -88,10 +88,13 @@ class TorchExtBackend:
 
     def _compile(self, gm: fx.GraphModule, example_inputs, *, store_key: str | None, rewritten: bool,
                  plan: MergePlan | None):
-        if self.config.warm_start and not self.warm_start_used and not self._said_warm:
+        if (self.config.warm_start or self.config.background_compile) and not self.warm_start_used \
+                and not self._said_warm:
             self._said_warm = True
-            log.warning("torch_ext: CompileConfig.warm_start applies to torch_ext.compile(model, config); "
-                        "torch.compile(model, backend=...) traces the model again in every process.")
+            asked = " and ".join(f"CompileConfig.{f}" for f in ("warm_start", "background_compile")
+                                 if getattr(self.config, f))
+            log.warning("torch_ext: %s applies to torch_ext.compile(model, config); torch.compile(model, "
+                        "backend=...) traces the model again in every process and compiles at the call.", asked)
         floats = compat.floats_to_specialize(example_inputs)
         if floats:
             read = _symbols_read(gm)
