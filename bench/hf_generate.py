@@ -4,6 +4,8 @@ caches) and warm (a second process on the same cache dirs), torch_ext beside tor
     python bench/hf_generate.py [--new-tokens 64] [--prompt 128] [--batch 1] [--columns eager,hf-auto,ext,ro]
     python bench/hf_generate.py --smoke      # tiny model on the CPU: every path end to end
     python bench/hf_generate.py --columns hf-auto,ext --warm-repeats 3   # warm processes vary: several
+    python bench/hf_generate.py --columns ext-bg --profile-switch --warm-rtc  # the switch to a program, profiled;
+                                 # and a warm process compiling our CUDA kernels again (as before they were kept)
 
 Model: LlamaForCausalLM, 16 layers, hidden 2048, MLP 5632, 16 heads, vocab 32000, bf16, random
 weights, "sdpa" attention; greedy `generate(..., cache_implementation="static")`.
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -121,9 +124,17 @@ def child(args) -> None:
             background_compile=column == "ext-bg",
             cudagraph_mode="full" if device == "cuda" else "none",
             splitting_ops=("aten::scaled_dot_product_attention",) if column == "ext-split" else ()))
+    slowest = switch_profiler(model, args.profile_switch)
     first_times = Times()
     t = time.perf_counter()
     tokens = generate(first_times)
+    if slowest.get("profile"):
+        import pstats
+
+        model.forward = slowest["forward"]
+        print(f"slowest program call of the first generate: {slowest['seconds'] * 1e3:.0f} ms (caller's thread)",
+              file=sys.stderr)
+        pstats.Stats(slowest["profile"], stream=sys.stderr).sort_stats("cumulative").print_stats(40)
     first = time.time() - start
     process = time.time() - started
     if args.profile:
@@ -162,18 +173,53 @@ def child(args) -> None:
         "frames": int(torch._dynamo.utils.counters["frames"].get("total", 0))}))
 
 
+def switch_profiler(model, on: bool) -> dict:
+    """--profile-switch: each forward call of the first generate profiled on the caller's thread; the slowest
+    call that ran a program (not one ext-bg ran eagerly) is kept. {} when off."""
+    if not on:
+        return {}
+    import cProfile
+    import functools
+
+    import torch
+
+    from torch_ext.backend import counters
+
+    inner = model.forward
+    slowest = {"forward": inner, "seconds": 0.0, "profile": None}
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        eager_before, profile = counters.background_eager_calls, cProfile.Profile()
+        start = time.perf_counter()
+        profile.enable()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            profile.disable()
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            if counters.background_eager_calls == eager_before and seconds > slowest["seconds"]:
+                slowest.update(seconds=seconds, profile=profile)
+
+    model.forward = forward
+    return slowest
+
+
 def run(column: str, cache: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", column, "--cache", cache, "--batch", str(args.batch),
            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens)] + (["--smoke"] if args.smoke else []) \
-        + (["--profile"] if args.profile else []) + (["--profile-steady"] if args.profile_steady else [])
+        + (["--profile"] if args.profile else []) + (["--profile-steady"] if args.profile_steady else []) \
+        + (["--profile-switch"] if args.profile_switch else [])
     env = dict(os.environ, HF_GENERATE_SPAWNED=repr(time.time()))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     if done.returncode != 0:
         print(f"{column}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
         return {}
-    if args.profile or args.profile_steady:
+    if args.profile or args.profile_steady or args.profile_switch:
         lines = [line for line in done.stderr.splitlines() if " ms torch_ext" in line or "(" in line
-                 or "steady generate" in line]
+                 or "steady generate" in line or "slowest program call" in line]
         print(f"--- {column}\n" + "\n".join(lines[-130:]), file=sys.stderr)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -200,6 +246,11 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="cProfile each process's first generate (stderr)")
     parser.add_argument("--profile-steady", action="store_true",
                         help="cProfile each process's steady generate, by own time (stderr): host time warm vs cold")
+    parser.add_argument("--profile-switch", action="store_true",
+                        help="cProfile the slowest call of the first generate that ran a program (stderr): the switch")
+    parser.add_argument("--warm-rtc", action="store_true",
+                        help="torch_ext columns: one more warm process with the compiled kernel modules deleted "
+                             "(phase warm-rtc: our CUDA kernels compiled again with NVRTC, as before they were kept)")
     args = parser.parse_args()
     if args.smoke:
         args.prompt, args.new_tokens = min(args.prompt, 8), min(args.new_tokens, 8)
@@ -213,7 +264,11 @@ def main() -> int:
             cache = os.path.join(root, column)
             warm = [f"warm{i + 1}" if i else "warm" for i in range(args.warm_repeats)]
             phases = ["cold"] if column == "eager" else ["cold", *warm]
+            if args.warm_rtc and column.startswith("ext"):
+                phases.append("warm-rtc")
             for phase in phases:
+                if phase == "warm-rtc":
+                    shutil.rmtree(os.path.join(cache, "inductor", "torch_ext_cuda_modules"), ignore_errors=True)
                 results[column, phase] = run(column, cache, args)
     info = next((r for r in results.values() if r), {})
     print(f"\nHF generate, LlamaForCausalLM{' (smoke)' if args.smoke else ' 16x2048 bf16'}, batch {args.batch}, "
@@ -228,15 +283,15 @@ def main() -> int:
     for title, fields, ratios in (("To the first token", ready, ("first_token", "first", "process")),
                                   ("Steady state (a third generate)", steady, ("ms_per_token", "median_gap"))):
         print(f"\n{title}")
-        head = f"{'column':<9} {'phase':<5} " + " ".join(
+        head = f"{'column':<9} {'phase':<8} " + " ".join(
             f"{label:>{max(len(label), 7)}}" + (f" {'x hf':>5}" if key in ratios else "") for key, label, _ in fields)
         extra = "  loads frames eager-calls tokens=eager" if fields is ready else "  captures recaptures uncaptured"
         print(head + extra)
         for (column, phase), r in results.items():
             if not r:
-                print(f"{column:<9} {phase:<5} failed")
+                print(f"{column:<9} {phase:<8} failed")
                 continue
-            base = results.get(("hf-auto", phase), {})
+            base = results.get(("hf-auto", "warm" if phase.startswith("warm") else phase), {})
             cells = []
             for key, label, fmt in fields:
                 cells.append(f"{fmt.format(r[key]):>{max(len(label), 7)}}")
@@ -247,7 +302,7 @@ def main() -> int:
             else:
                 g = r["steady_graphs"]
                 tail = f"  {g['captures']:>8} {g['recaptures']:>10} {g['uncaptured_runs']:>10}"
-            print(f"{column:<9} {phase:<5} " + " ".join(cells) + tail)
+            print(f"{column:<9} {phase:<8} " + " ".join(cells) + tail)
     return 0
 
 

@@ -177,7 +177,7 @@ def test_hf_llama_in_bfloat16_at_small_batches_runs_the_path_fused_and_matches_e
     assert launches
 
 
-def test_a_kernel_that_does_not_compile_leaves_the_calls_to_f_linear(monkeypatch):
+def test_a_kernel_that_does_not_compile_leaves_the_calls_to_f_linear(monkeypatch, tmp_path):
     """No NVRTC, or a compile error: said once, and the op runs F.linear (no crash inside a model)."""
     import torch_ext.kernels.decode_linear_mma as module
     from torch_ext import compat
@@ -186,7 +186,8 @@ def test_a_kernel_that_does_not_compile_leaves_the_calls_to_f_linear(monkeypatch
         raise RuntimeError("nvrtc: error: simulated")
 
     module._kernel.cache_clear()
-    monkeypatch.setattr(compat, "cuda_kernel_compiler", lambda: broken)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # no compiled module on disk either
+    monkeypatch.setattr(compat, "nvrtc_compile", broken)
     try:
         x, w, b, _ = _inputs(4, 256, 128, torch.bfloat16, True, False, 5)
         with pytest.warns(UserWarning, match="did not compile"):
@@ -195,3 +196,43 @@ def test_a_kernel_that_does_not_compile_leaves_the_calls_to_f_linear(monkeypatch
         torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), rtol=0, atol=0)
     finally:
         module._kernel.cache_clear()
+
+
+_MODULE_CACHE_WORKER = r"""
+import sys, time, torch
+from torch_ext import compat
+from torch_ext.kernels.decode_linear_mma import decode_linear_mma
+if sys.argv[1] == "warm":
+    def refuse(source, name):
+        raise AssertionError("NVRTC called in the warm process")
+    compat.nvrtc_compile = refuse
+g = torch.Generator(device="cuda").manual_seed(0)
+x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
+w = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16, generator=g) / 2048 ** 0.5
+torch.cuda.synchronize()
+start = time.perf_counter()
+out = decode_linear_mma(x, w, None, True)
+torch.cuda.synchronize()
+print(time.perf_counter() - start)
+torch.save(out.cpu(), sys.argv[2])
+"""
+
+
+def test_a_new_process_loads_the_compiled_kernel_from_disk(tmp_path):
+    """The first process compiles the kernel with NVRTC and keeps its cubin under Inductor's cache dir; a
+    second one loads it (NVRTC refused there) and computes the same bits."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    seconds = {}
+    for phase in ("cold", "warm"):
+        done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", _MODULE_CACHE_WORKER, phase,
+                               str(tmp_path / f"{phase}.pt")], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        seconds[phase] = float(done.stdout.strip().splitlines()[-1])
+    print(f"first call of a decode_linear CUDA variant: compiled {seconds['cold'] * 1e3:.1f} ms, "
+          f"loaded {seconds['warm'] * 1e3:.1f} ms")
+    assert torch.equal(torch.load(tmp_path / "cold.pt"), torch.load(tmp_path / "warm.pt"))
+    assert len(list((tmp_path / "inductor" / "torch_ext_cuda_modules").iterdir())) == 1

@@ -88,17 +88,55 @@ def no_modes_or_autocast_active() -> bool:
 
 
 
-def cuda_kernel_compiler():
-    """torch.cuda._compile_kernel(source, name) (NVRTC to a cubin for the current device; private, in
-    2.9.1 through 2.15), or None where it or the NVRTC library it loads is missing: the kernels built
-    with it then fall back to their reference."""
-    compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
-    if compile_kernel is None:
-        return None
+def nvrtc_available() -> bool:
+    """Whether torch's NVRTC helpers (private, in 2.9.1 through 2.15) and the NVRTC library they load
+    are present: the kernels built with them fall back to their reference where not."""
+    if getattr(torch.cuda, "_compile_kernel", None) is None:
+        return False
     try:
         from torch.cuda._utils import _get_nvrtc_library
 
         _get_nvrtc_library()
     except Exception:  # ImportError, OSError (no libnvrtc), AttributeError (a CPU build's torch.version.cuda)
+        return False
+    return True
+
+
+def nvrtc_compile(source: str, name: str) -> tuple[bytes, str]:
+    """(the module image NVRTC makes of `source` for the current device, the kernel's lowered name):
+    a cubin and the name to look up from 2.10 on; PTX (the driver finishes it at load) and `name`
+    itself (extern "C" kernels only) on 2.9.1."""
+    from torch.cuda._utils import _nvrtc_compile
+
+    out = _nvrtc_compile(source, name)
+    return out if isinstance(out, tuple) else (out, name)
+
+
+def load_cuda_module(image: bytes, lowered_name: str):
+    """The kernel `lowered_name` of a module image nvrtc_compile made (torch's private loader, a
+    _CudaKernel with `.func`; 2.9.1 through 2.15). Raises where the driver refuses the image."""
+    from torch.cuda._utils import _cuda_load_module
+
+    return _cuda_load_module(image, [lowered_name])[lowered_name]
+
+
+def nvrtc_version() -> str:
+    """NVRTC's version as major.minor (part of a compiled module's cache key)."""
+    import ctypes
+
+    from torch.cuda._utils import _get_nvrtc_library
+
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _get_nvrtc_library().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return f"{major.value}.{minor.value}"
+
+
+def inductor_cache_root() -> str | None:
+    """Inductor's cache directory (TORCHINDUCTOR_CACHE_DIR or its per-user default), or None where
+    TORCHINDUCTOR_FORCE_DISABLE_CACHES asks for no caches."""
+    from torch._inductor import config
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    if getattr(config, "force_disable_caches", False):
         return None
-    return compile_kernel
+    return cache_dir()

@@ -2,8 +2,8 @@
 
 The kernel (kernels/decode_linear_mma_source.py, where its design is described) streams each lane's weight
 rows straight into `mma.sync` fragments. Here: which tensors it takes (`mma_takes`), its launch config
-by shape and rows (`default_config`), and the call. Compiled with NVRTC (torch.cuda._compile_kernel) on
-first use per (device, dtype, config); launched with cuLaunchKernelEx so that CUDA graph capture records
+by shape and rows (`default_config`), and the call. Compiled with NVRTC on first use per (device, dtype,
+config), or loaded from the compiled-module disk cache (module_cache.py); launched with cuLaunchKernelEx so that CUDA graph capture records
 the PDL edge, as Triton does for its kernels.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import warnings
 import torch
 
 from torch_ext.kernels.cuda_launch import driver, launch
+from torch_ext.kernels import module_cache
 from torch_ext.kernels.decode_linear_mma_source import build_source
 
 __all__ = ["MMA_MAX_ROWS", "decode_linear_mma", "default_config", "gate_fits", "mma_takes", "variant_attributes"]
@@ -192,9 +193,7 @@ def _kernel(device_index: int, dtype: str, mt: int, nt: int, warps: int, unroll:
             gate_epilogue: bool = False, xpf: int = 0):
     """The compiled kernel (a CUfunction) for this device and variant, or None where NVRTC is missing or
     the compile fails: said once per variant, and the op runs its reference."""
-    from torch_ext import compat
-
-    compile_kernel = compat.cuda_kernel_compiler()
+    compile_kernel = module_cache.compiler()
     if compile_kernel is None:
         return None
     defines = dict(MT=mt, NT=nt, WARPS=warps, U=unroll, NORM=int(norm), GATED=int(gated), GATE_EPILOGUE=int(gate_epilogue),
