@@ -30,13 +30,11 @@ the first generate's call to its first new token: compile or load of the prefill
 prefill), "programs" (torch_ext: finding the programs, loaded or traced and compiled; "inductor": of
 which Inductor compiles and artifact loads), "capture" (torch_ext's CUDA-graph captures, all of
 them), "longest gap" (the longest wait between two tokens of the first generate: the decode
-program's load or compile, warm-up and capture), "switch" (torch_ext: the slowest call that ran a
-program in the first two generates, to the end of its GPU work: the first call of a program, which
-loads its kernels, warms up and captures; for ext-bg it may come in the second generate), "first
-generate" and "process" (start to its end), "ready" (from the first generate's call until every program
-is loaded or compiled: ext-bg keeps compiling after its eager first generate), "eager-calls" (ext-bg's
-calls run eagerly meanwhile), "primed" (ext-bg: calls of torch_ext's ops run once on the compile thread,
-so that their Triton kernels are compiled or loaded before the program's first call).
+program's load or compile, warm-up and capture), "switch" (torch_ext: the slowest call that ran a program in
+the first two generates, to the end of its GPU work: the first call of a program, which loads its kernels,
+warms up and captures; for ext-bg it may come in the second generate), "first generate" and "process" (start to its end),
+"ready" (from the first generate's call until every program is loaded or compiled: ext-bg keeps
+compiling after its eager first generate), "eager-calls" (ext-bg's calls run eagerly meanwhile).
 Then the steady state, a third generate: "ms/token" (its new tokens over its time, as before),
 "median gap" (the median time between two tokens: the decode step as a server sees it, without the
 graphs generate's new cache captures again), "max gap", and torch_ext's captures, re-captures and
@@ -176,7 +174,7 @@ def child(args) -> None:
         "steady_graphs": {k: getattr(cudagraph_stats, k) - graphs[k] for k in ("captures", "recaptures", "uncaptured_runs")},
         "tokens": tokens[:, args.prompt:].tolist(), "device": torch.cuda.get_device_name() if
         device == "cuda" else "cpu", "torch": torch.__version__,
-        "loads": counters.warm_start_loads, "saves": counters.warm_start_saves, "primed": counters.kernels_primed,
+        "loads": counters.warm_start_loads, "saves": counters.warm_start_saves,
         "frames": int(torch._dynamo.utils.counters["frames"].get("total", 0))}))
 
 
@@ -298,7 +296,7 @@ def main() -> int:
         print(f"\n{title}")
         head = f"{'column':<9} {'phase':<8} " + " ".join(
             f"{label:>{max(len(label), 7)}}" + (f" {'x hf':>5}" if key in ratios else "") for key, label, _ in fields)
-        extra = "  loads frames eager-calls primed tokens=eager" if fields is ready else "  captures recaptures uncaptured"
+        extra = "  loads frames eager-calls tokens=eager" if fields is ready else "  captures recaptures uncaptured"
         print(head + extra)
         for (column, phase), r in results.items():
             if not r:
@@ -311,8 +309,7 @@ def main() -> int:
                 if key in ratios:
                     cells.append(f"{r[key] / base[key]:>5.2f}" if base.get(key) else f"{'-':>5}")
             if fields is ready:
-                tail = (f"  {r['loads']:>5} {r['frames']:>6} {r['eager_calls']:>11} {r.get('primed', 0):>6} "
-                        f"{matching(r['tokens'], expected)}")
+                tail = f"  {r['loads']:>5} {r['frames']:>6} {r['eager_calls']:>11} {matching(r['tokens'], expected)}"
             else:
                 g = r["steady_graphs"]
                 tail = f"  {g['captures']:>8} {g['recaptures']:>10} {g['uncaptured_runs']:>10}"

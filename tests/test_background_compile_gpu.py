@@ -33,6 +33,4 @@ def test_background_compile_under_generate_with_cuda_graphs(tmp_path):
     assert warm(cold["counters"]) == (0, 2, 0) and warm(again["counters"]) == (2, 0, 0)
     assert again["describe"] == cold["describe"]
     assert {k: v[0] for k, v in again["kernels"].items()} == {k: v[0] for k, v in cold["kernels"].items()}
-    print(f"\nmedian gap between tokens: cold {cold['median_token_ms']:.3f} ms, warm {again['median_token_ms']:.3f} ms; "
-          f"torch_ext op calls primed on the compile thread: cold {cold['counters']['kernels_primed']}, "
-          f"warm {again['counters']['kernels_primed']}")
+    print(f"\nmedian gap between tokens: cold {cold['median_token_ms']:.3f} ms, warm {again['median_token_ms']:.3f} ms")

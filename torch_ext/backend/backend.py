@@ -15,13 +15,12 @@ import weakref
 import torch
 import torch.fx as fx
 
-from torch_ext import compat, process_lock
+from torch_ext import compat
 from torch_ext.install import install, is_installed
 from torch_ext.backend import dump
 from torch_ext.backend.compile.builder import VariantBuilder
 from torch_ext.backend.compile.cache import ArtifactStore, UnsafeCacheDirError, ensure_private_dir, model_key
 from torch_ext.backend.compile.compiler import InductorCompiler
-from torch_ext.backend.compile.prime_kernels import prime_kernels
 from torch_ext.backend.compile.stack_room import with_stack_room
 from torch_ext.backend.rewrite.decode import decode_rewrites
 from torch_ext.backend.rewrite.merge_projections import MergePlan, merge_projections
@@ -142,8 +141,6 @@ class TorchExtBackend:
         self._install_runners(split, group, dumper)
         self.unused_config.graph(gm, index, group, split.split_gm)
         self._compile_general(group)
-        if process_lock.in_background():  # the compile thread: our ops' kernels too, not at the first call
-            prime_kernels(gm)
 
         dump.trace_artifact("torch_ext_split_graph", lambda: dump.readable(split.split_gm))
         if dumper:

@@ -43,8 +43,6 @@ class BackendCounters:
     # was on its way, and programs looked for on the compile thread.
     background_eager_calls: int = 0
     background_compiles: int = 0
-    # calls of torch_ext ops run once on the compile thread so their kernels are ready (compile/prime_kernels.py)
-    kernels_primed: int = 0
     # Inductor compiles per variant: "general", "size=8", "range=[1,16)".
     compiles_by_variant: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
