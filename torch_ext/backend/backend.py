@@ -95,6 +95,9 @@ class TorchExtBackend:
                                  if getattr(self.config, f))
             log.warning("torch_ext: %s applies to torch_ext.compile(model, config); torch.compile(model, "
                         "backend=...) traces the model again in every process and compiles at the call.", asked)
+        device = _gpu_device()
+        if device is not None:  # cold and warm processes keep Triton's files in one place
+            compat.pin_triton_cache_dir(device)
         floats = compat.floats_to_specialize(example_inputs)
         if floats:
             read = _symbols_read(gm)
@@ -293,6 +296,10 @@ class TorchExtBackend:
         counters.unique_pieces += len(group.pieces)
         counters.splitting_op_calls += group.splitting_ops
         counters.checkpoint_regions += group.checkpoint_regions
+
+
+def _gpu_device() -> int | None:
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
 def _on_cpu(example_inputs) -> bool:

@@ -4,6 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
+
+
+def pin_triton_cache_dir(device: int) -> str:
+    """TRITON_CACHE_DIR, set where unset to Inductor's Triton dir (under its cache dir), as Inductor's first
+    CachingAutotuner of a process sets it (2.9.1 through 2.15). A process whose kernels all come back
+    from compile workers constructs none before it builds Triton's launchers (unpickled autotuners skip
+    the constructor): its launchers, and the kernels of our own Triton ops, went to ~/.triton/cache,
+    while a warm process, which constructs autotuners when it loads, looks under Inductor's dir and
+    built them all again at its first calls. Set once, early, both look in one place."""
+    if os.environ.get("TRITON_CACHE_DIR") is None:
+        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+        os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(device)
+    return os.environ["TRITON_CACHE_DIR"]
 
 
 def cpu_vec_isa_names() -> list[str] | None:

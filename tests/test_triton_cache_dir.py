@@ -1,0 +1,45 @@
+"""Triton's cache dir pinned under Inductor's before the backend compiles or loads (compat.pin_triton_cache_dir):
+a cold process whose Inductor kernels all come from compile workers would otherwise build Triton's
+launchers (and compile our own Triton kernels) into ~/.triton/cache, and the warm process, looking under
+Inductor's dir, would build them all again at its first calls."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+import torch_ext
+from torch_ext import compat
+from torch_ext.backend import CompileConfig
+
+
+def test_unset_it_becomes_inductors_triton_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_CACHE_DIR", "recorded")  # so that the test's end puts back what was there
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert compat.pin_triton_cache_dir(1) == os.path.join(str(tmp_path), "triton", "1")
+    assert os.environ["TRITON_CACHE_DIR"] == os.path.join(str(tmp_path), "triton", "1")
+    # Inductor's own autotuners read it from here on: the same dir
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+    assert triton_cache_dir(0) == os.environ["TRITON_CACHE_DIR"]
+
+
+def test_a_users_own_dir_is_kept(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    assert compat.pin_triton_cache_dir(0) == str(tmp_path / "mine")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_the_backend_pins_it_before_it_compiles_where_there_is_a_gpu(monkeypatch):
+    calls = []
+    from torch_ext.backend import backend
+
+    monkeypatch.setattr(compat, "pin_triton_cache_dir", lambda device: calls.append(device))
+    monkeypatch.setattr(backend, "_gpu_device", lambda: 0)  # as on a GPU machine (the model stays on the CPU)
+    model = torch.nn.Linear(4, 4)
+    compiled = torch_ext.compile(model, CompileConfig(warm_start=False, progress_bar=False))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    assert calls and set(calls) == {0}
