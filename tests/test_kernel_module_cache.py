@@ -95,10 +95,10 @@ def test_a_refused_fresh_compile_raises_and_saves_nothing(nvrtc, monkeypatch):
     assert not nvrtc["dir"].exists() or not list(nvrtc["dir"].iterdir())
 
 
-def test_no_disk_cache_where_inductor_caches_are_forced_off(nvrtc, monkeypatch):
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
-    module_cache.compiled("kernel A", "k")
-    module_cache.compiled("kernel A", "k")
+def test_no_disk_cache_where_inductor_caches_are_forced_off(nvrtc):
+    with torch._inductor.config.patch(force_disable_caches=True):  # an alias: patch, not setattr
+        module_cache.compiled("kernel A", "k")
+        module_cache.compiled("kernel A", "k")
     assert len(nvrtc["compiled"]) == 2 and not nvrtc["dir"].exists()
 
 
