@@ -257,7 +257,7 @@ def main() -> int:
     parser.add_argument("--profile-steady", action="store_true",
                         help="cProfile each process's steady generate, by own time (stderr): host time warm vs cold")
     parser.add_argument("--profile-switch", action="store_true",
-                        help="cProfile the slowest call of the first generate that ran a program (stderr): the switch")
+                        help="cProfile the slowest call that ran a program in the first two generates (stderr): the switch")
     parser.add_argument("--warm-rtc", action="store_true",
                         help="torch_ext columns: one more warm process with the compiled kernel modules deleted "
                              "(phase warm-rtc: our CUDA kernels compiled again with NVRTC, as before they were kept)")

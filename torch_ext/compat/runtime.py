@@ -89,12 +89,11 @@ def no_modes_or_autocast_active() -> bool:
 
 
 def nvrtc_available() -> bool:
-    """Whether torch's NVRTC helpers (private, in 2.9.1 through 2.15) and the NVRTC library they load
-    are present: the kernels built with them fall back to their reference where not."""
-    if getattr(torch.cuda, "_compile_kernel", None) is None:
-        return False
+    """Whether torch's NVRTC helpers that nvrtc_compile and load_cuda_module call (private, in 2.9.1
+    through 2.15) and the NVRTC library they load are present: the kernels built with them fall back
+    to their reference where not."""
     try:
-        from torch.cuda._utils import _get_nvrtc_library
+        from torch.cuda._utils import _cuda_load_module, _get_nvrtc_library, _nvrtc_compile  # noqa: F401
 
         _get_nvrtc_library()
     except Exception:  # ImportError, OSError (no libnvrtc), AttributeError (a CPU build's torch.version.cuda)
@@ -104,8 +103,8 @@ def nvrtc_available() -> bool:
 
 def nvrtc_compile(source: str, name: str) -> tuple[bytes, str]:
     """(the module image NVRTC makes of `source` for the current device, the kernel's lowered name):
-    a cubin and the name to look up from 2.10 on; PTX (the driver finishes it at load) and `name`
-    itself (extern "C" kernels only) on 2.9.1."""
+    a cubin and the name to look up on 2.11 through 2.15; PTX (the driver finishes it at load) and
+    `name` itself (extern "C" kernels only) on 2.9.1."""
     from torch.cuda._utils import _nvrtc_compile
 
     out = _nvrtc_compile(source, name)

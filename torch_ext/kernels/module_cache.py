@@ -6,8 +6,9 @@ its cache).
 Kept under Inductor's cache directory (TORCHINDUCTOR_CACHE_DIR or its per-user default), so a
 process with warm Inductor caches has warm kernels too, and TORCHINDUCTOR_FORCE_DISABLE_CACHES turns
 this off as it does Inductor's. The key is the source, the kernel's name, the device's compute
-capability, torch's and NVRTC's versions. Each file carries its image's SHA-256: a damaged file, or one
-the driver refuses, is compiled again and replaced, never run. Files are written whole (a temporary
+capability, torch's and NVRTC's versions. Each file is framed as the artifact cache's are (its length and
+SHA-256 in a header, checked_bytes.py): a damaged file, or one the driver refuses, is compiled again and
+replaced, never run. Files are written whole (a temporary
 file renamed), so processes sharing the directory never read half of one.
 """
 from __future__ import annotations
@@ -20,10 +21,10 @@ import tempfile
 import torch
 
 from torch_ext import compat
+from torch_ext.checked_bytes import DamagedEntry, pack, unpack
 
 log = logging.getLogger("torch_ext.kernels")
 
-_MAGIC = b"torch_ext cuda module 1\n"
 SUBDIR = "torch_ext_cuda_modules"
 
 
@@ -69,13 +70,13 @@ def _load(path: str):
     except OSError as e:
         log.warning("torch_ext: cannot read the compiled kernel %s (%s); compiling it again", path, e)
         return None
-    header, _, image = data.partition(b"\n\n")
-    lines = header.split(b"\n")  # the magic line, the image's digest, the kernel's lowered name
-    if not data.startswith(_MAGIC) or len(lines) != 3 or hashlib.sha256(image).hexdigest().encode() != lines[1]:
-        log.warning("torch_ext: the compiled kernel %s is damaged; compiling it again", path)
+    try:
+        lowered, _, image = unpack(data).partition(b"\n")  # the kernel's lowered name, then the image
+    except DamagedEntry as e:
+        log.warning("torch_ext: the compiled kernel %s is damaged (%s); compiling it again", path, e)
         return None
     try:
-        return compat.load_cuda_module(image, lines[2].decode())
+        return compat.load_cuda_module(image, lowered.decode())
     except Exception as e:  # the driver refuses it (another driver, a foreign file): compile again
         log.warning("torch_ext: the driver refused the compiled kernel %s (%s: %s); compiling it again", path,
                     type(e).__name__, e)
@@ -83,7 +84,7 @@ def _load(path: str):
 
 
 def _save(path: str, image: bytes, lowered: str) -> None:
-    data = _MAGIC + hashlib.sha256(image).hexdigest().encode() + b"\n" + lowered.encode() + b"\n\n" + image
+    data = pack(lowered.encode() + b"\n" + image)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")

@@ -27,19 +27,15 @@ import time
 import filelock
 
 from torch_ext.backend.counters import counters
+from torch_ext.checked_bytes import DamagedEntry, pack, unpack  # noqa: F401 (the entries' framing)
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"TORCH_EXT_ARTIFACT v1\n"
 _LOCK_WAIT_LOG_S = 10.0
 _STALE_TEMP_S = 3600.0
 
 
 class UnsafeCacheDirError(PermissionError):
-    pass
-
-
-class DamagedEntry(Exception):
     pass
 
 
@@ -87,29 +83,6 @@ def _file_digest(path: str) -> str:
 def _file_digest_cached(path: str, mtime_ns: int, size: int) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
-
-
-def pack(payload: bytes) -> bytes:
-    return MAGIC + f"{len(payload)} {hashlib.sha256(payload).hexdigest()}\n".encode() + payload
-
-
-def unpack(data: bytes) -> bytes:
-    if not data.startswith(MAGIC):
-        raise DamagedEntry("bad header")
-    head_end = data.find(b"\n", len(MAGIC))
-    if head_end < 0:
-        raise DamagedEntry("truncated header")
-    try:
-        length_text, digest = data[len(MAGIC):head_end].decode().split(" ")
-        length = int(length_text)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise DamagedEntry("unreadable header") from e
-    payload = data[head_end + 1:]
-    if len(payload) != length:
-        raise DamagedEntry(f"truncated: {len(payload)} of {length} bytes")
-    if hashlib.sha256(payload).hexdigest() != digest:
-        raise DamagedEntry("sha256 mismatch")
-    return payload
 
 
 class ArtifactStore:
