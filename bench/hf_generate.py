@@ -147,7 +147,10 @@ def child(args) -> None:
 
         print(f"slowest program call of the first two generates: {slowest['seconds'] * 1e3:.0f} ms (caller's "
               "thread)", file=sys.stderr)
-        pstats.Stats(slowest["profile"], stream=sys.stderr).sort_stats("cumulative").print_stats(40)
+        stats = pstats.Stats(slowest["profile"], stream=sys.stderr)
+        stats.sort_stats("cumulative").print_stats(90)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.print_callers(r"\(compile\)|\(_do_import\)")  # who compiled (Triton, NVRTC) or imported in it
     steady = Times()
     graphs = dict(vars(cudagraph_stats))
     if args.profile_steady:  # where a steady generate's host time goes, by own time (stderr)
@@ -196,6 +199,14 @@ def watch_first_program_calls(model, profile: bool) -> dict:
     @functools.wraps(inner)
     def forward(*args, **kwargs):
         eager_before = counters.background_eager_calls
+        if profile and not slowest.get("first_profiled"):
+            out, seconds, report = _profile_call(inner, args, kwargs)
+            if counters.background_eager_calls == eager_before:  # the program's first call: the switch
+                slowest["first_profiled"] = True
+                print(report, file=sys.stderr)
+                if seconds > slowest["seconds"]:  # profiled, so slower than unprofiled
+                    slowest.update(seconds=seconds, profile=None)
+            return out
         profiler = cProfile.Profile() if profile else None
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()
@@ -217,6 +228,46 @@ def watch_first_program_calls(model, profile: bool) -> dict:
     return slowest
 
 
+def _profile_call(inner, args, kwargs):
+    """A call under torch.profiler (host ops, by self time) while a sampler records every
+    thread's Python stack each 2 ms: what the switch waits on, C++ included (stderr)."""
+    import collections
+    import threading
+    import traceback
+
+    import torch
+
+    samples: collections.Counter = collections.Counter()
+    stop = threading.Event()
+    me = threading.get_ident()
+
+    def sample():
+        while not stop.wait(0.002):
+            for ident, frame in sys._current_frames().items():
+                if ident == threading.get_ident():
+                    continue
+                stack = traceback.extract_stack(frame)[-3:]
+                where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}({f.name})" for f in reversed(stack))
+                samples[("caller" if ident == me else f"thread {ident}", where)] += 1
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    sampler.start()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = inner(*args, **kwargs)
+        sync()
+    seconds = time.perf_counter() - start
+    stop.set()
+    sampler.join()
+    lines = [f"first program call under torch.profiler: {seconds * 1e3:.0f} ms",
+             prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70),
+             "Python stacks sampled every 2 ms during it (thread, innermost 3 frames): samples"]
+    lines += [f"{count:6d}  {thread:18s} {where}" for (thread, where), count in samples.most_common(30)]
+    return out, seconds, "\n".join(lines)
+
+
 def run(column: str, cache: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", column, "--cache", cache, "--batch", str(args.batch),
            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens)] + (["--smoke"] if args.smoke else []) \
@@ -229,8 +280,9 @@ def run(column: str, cache: str, args) -> dict:
         return {}
     if args.profile or args.profile_steady or args.profile_switch:
         lines = [line for line in done.stderr.splitlines() if " ms torch_ext" in line or "(" in line
-                 or "steady generate" in line or "slowest program call" in line]
-        print(f"--- {column}\n" + "\n".join(lines[-130:]), file=sys.stderr)
+                 or "steady generate" in line or "slowest program call" in line or "  " in line
+                 or "first program call" in line]
+        print(f"--- {column}\n" + "\n".join(lines[-260:]), file=sys.stderr)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

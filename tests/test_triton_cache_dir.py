@@ -43,3 +43,27 @@ def test_the_backend_pins_it_before_it_compiles_where_there_is_a_gpu(monkeypatch
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
     assert calls and set(calls) == {0}
+
+
+def test_it_is_pinned_before_the_rewrites_tune_kernels_also_on_the_warm_start_path(monkeypatch, tmp_path):
+    """Warm start saves the rewritten graph: rewrite() (whose kernel tuning compiles our Triton kernels)
+    runs before _compile. Pinned only in _compile, the cold process put those kernels in ~/.triton/cache
+    and the first warm process compiled them again at its first call (1.5-2 s on an H200)."""
+    order = []
+    from torch_ext.backend import backend
+
+    monkeypatch.setattr(compat, "pin_triton_cache_dir", lambda device: order.append("pin"))
+    monkeypatch.setattr(backend, "_gpu_device", lambda: 0)
+    real_rewrites = backend.decode_rewrites
+
+    def rewrites(*args, **kwargs):
+        order.append("rewrites")
+        return real_rewrites(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "decode_rewrites", rewrites)
+    model = torch.nn.Linear(4, 4)
+    compiled = torch_ext.compile(model, CompileConfig(cache_dir=str(tmp_path / "cache"), progress_bar=False))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    assert "rewrites" in order and order[0] == "pin", order

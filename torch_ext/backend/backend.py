@@ -95,9 +95,7 @@ class TorchExtBackend:
                                  if getattr(self.config, f))
             log.warning("torch_ext: %s applies to torch_ext.compile(model, config); torch.compile(model, "
                         "backend=...) traces the model again in every process and compiles at the call.", asked)
-        device = _gpu_device()
-        if device is not None:  # cold and warm processes keep Triton's files in one place
-            compat.pin_triton_cache_dir(device)
+        _pin_triton_cache_dir()
         floats = compat.floats_to_specialize(example_inputs)
         if floats:
             read = _symbols_read(gm)
@@ -201,6 +199,9 @@ class TorchExtBackend:
         """The Dynamo graph the stages after it see (rewrite/): in inference graphs (grad off), a copy
         with its projections merged, and the plan of the buffers it takes after its own inputs; decode
         SDPA calls run torch_ext::decode_attention, linears of a few rows torch_ext::decode_linear."""
+        # Before the rewrites: kernel tuning compiles our Triton kernels, and warm start saves the graph
+        # it rewrites before _compile sees it.
+        _pin_triton_cache_dir()
         if torch.is_grad_enabled():
             return gm, None
         plan = None
@@ -296,6 +297,14 @@ class TorchExtBackend:
         counters.unique_pieces += len(group.pieces)
         counters.splitting_op_calls += group.splitting_ops
         counters.checkpoint_regions += group.checkpoint_regions
+
+
+def _pin_triton_cache_dir() -> None:
+    """Cold and warm processes keep Triton's files in one place (compat.pin_triton_cache_dir says why),
+    set before anything of ours compiles or loads a Triton kernel."""
+    device = _gpu_device()
+    if device is not None:
+        compat.pin_triton_cache_dir(device)
 
 
 def _gpu_device() -> int | None:
