@@ -4,7 +4,8 @@ No other module branches on the torch version: they import the Dynamo internals 
 
 One module per concern: versions (which torch, known bugs), dynamo (tracing internals), runtime
 (CUDA graphs, custom ops), aot (AOT compile), inductor (its per-process keys), speculation (restarts), joint
-(Inductor's training compile with our inner compile), rng_hops (RNG-state HOPs called directly). Callers use
+(Inductor's training compile with our inner compile), rng_hops (RNG-state HOPs called directly), fx_tracing (fx's
+trace-time patches kept to their thread). Callers use
 `torch_ext.compat.<name>`.
 """
 from torch_ext.compat.versions import *  # noqa: F401,F403  (checks the version first)
@@ -16,4 +17,5 @@ from torch_ext.compat.inductor import *  # noqa: F401,F403
 from torch_ext.compat.speculation import *  # noqa: F401,F403
 from torch_ext.compat.joint import *  # noqa: F401,F403
 from torch_ext.compat.rng_hops import direct_hop_call  # noqa: F401
+from torch_ext.compat.fx_tracing import *  # noqa: F401,F403
 from torch_ext.compat import versions  # noqa: F401  (tests patch the running release there)
