@@ -46,7 +46,8 @@ def main() -> None:
 
     q, k, v, mask = make()
     choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, False)
-    names = {int(b): b.name for b in SDPBackend if hasattr(b, "name")}
+    names = {int(getattr(SDPBackend, n)): n for n in ("ERROR", "MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION",
+                                                          "CUDNN_ATTENTION") if hasattr(SDPBackend, n)}
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
     print(f"SDPA picks {names.get(int(choice), choice)} for q {shape_q}, kv {shape_kv}, additive mask")
     print(f"{'backend':<20} {'first ms':>9} {'next 3 ms':>20} {'new thread ms':>14} {'new shape ms':>13}")

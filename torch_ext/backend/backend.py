@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch_ext import compat
 from torch_ext.install import install, is_installed
 from torch_ext.backend import dump
+from torch_ext.backend.compile.first_use import libraries_needed, load_libraries
 from torch_ext.backend.compile.builder import VariantBuilder
 from torch_ext.backend.compile.cache import ArtifactStore, UnsafeCacheDirError, ensure_private_dir, model_key
 from torch_ext.backend.compile.compiler import InductorCompiler
@@ -68,6 +69,7 @@ class TorchExtBackend:
         self._graphs = 0
         self.unused_config = UnusedConfigReporter(self.config, self.matcher)
         self.last_store_key: str | None = None  # the piece cache's directory key of the last graph
+        self.last_libraries: tuple[str, ...] = ()  # first-use libraries the last graph calls (compile/first_use.py)
         self._said_warm = False
         self.warm_start_used = False  # set by torch_ext.compile when it serves warm starts (warm_start/program.py)
         # What each graph compiled into (runtime/summary.py), held weakly: a record lives with its graph.
@@ -131,6 +133,11 @@ class TorchExtBackend:
 
         store = self._store(gm, store_key)
         self.last_store_key = store.key if store is not None else None
+        # Libraries its first call would load (cuDNN attention: 1.5 s), loaded here: with background
+        # compile, on the compile thread. A loaded graph has no example values inside its pieces: warm
+        # start saves the names (saved_graph.py).
+        self.last_libraries = libraries_needed(gm) if not torch.is_grad_enabled() else ()
+        load_libraries(self.last_libraries)
         group = PieceGroup(f"graph {index}", self.config, self.builder, store, batch_symbol(gm))
         # While autograd records, checkpoint regions stay regions (their recompute survives the split).
         split = split_graph(gm, self.matcher, self.config.hop_split, keep_checkpoints=torch.is_grad_enabled())

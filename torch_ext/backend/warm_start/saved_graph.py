@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from torch_ext import compat
+from torch_ext.backend.compile.first_use import load_libraries
 from torch_ext.backend.split.graph_writes import written_args
 from torch_ext.backend.compile.example_values import VALUE_DROPPED, placeholder_values
 
@@ -136,8 +137,9 @@ class SavedGraph(compat.SerializableCallable):
     """The backend's compiled graph, serializable by torch's AOT compile."""
 
     def __init__(self, compiled, graph: bytes, store_key: str | None, sources: list[str | None],
-                 gm: fx.GraphModule, plan=None):
+                 gm: fx.GraphModule, plan=None, libraries: tuple[str, ...] = ()):
         self.compiled = compiled
+        self.libraries = libraries  # first-use libraries its calls load (compile/first_use.py)
         self.graph = graph  # the graph as the backend's rewrite left it (merged projections)
         self.store_key = store_key
         self.plan = plan  # the rewrite's MergePlan (the buffers the graph takes), or None
@@ -155,7 +157,7 @@ class SavedGraph(compat.SerializableCallable):
     @classmethod
     def serialize_compile_artifacts(cls, fn: "SavedGraph") -> bytes:
         return pickle.dumps({"graph": fn.graph, "store_key": fn.store_key, "sources": fn.sources,
-                             "plan": fn.plan})
+                             "plan": fn.plan, "libraries": fn.libraries})
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> "SavedGraph":
@@ -170,7 +172,9 @@ class SavedGraph(compat.SerializableCallable):
         with context, compat.lazy_graph_modules():
             compiled = backend(gm, example_inputs, store_key=state["store_key"], rewritten=True,
                                plan=state.get("plan"))
-        return cls(compiled, state["graph"], state["store_key"], state["sources"], gm, state.get("plan"))
+        libraries = tuple(state.get("libraries", ()))
+        load_libraries(libraries)
+        return cls(compiled, state["graph"], state["store_key"], state["sources"], gm, state.get("plan"), libraries)
 
 
 def backend_for_save(backend):
@@ -182,7 +186,7 @@ def backend_for_save(backend):
         rewritten, plan = backend.rewrite(gm)
         graph = dump_graph(rewritten, lambda node: backend.matcher.match(node) is not None)
         compiled = backend(rewritten, example_inputs, rewritten=True, plan=plan)
-        return SavedGraph(compiled, graph, backend.last_store_key, sources, gm, plan)
+        return SavedGraph(compiled, graph, backend.last_store_key, sources, gm, plan, backend.last_libraries)
 
     return compile_and_keep
 

@@ -1,0 +1,164 @@
+"""First-use libraries (backend/compile/first_use.py): a graph whose SDPA calls cuDNN gets cuDNN's
+engines loaded where it compiles or loads (the compile thread, with background compile) rather than at
+its first call (1.5 s on an H200). CPU side: which graphs need it, the arguments read from example
+values, the names a warm-start entry keeps, loading once and never failing a compile.
+tests/test_first_use_gpu.py checks the real choice and the load on a GPU."""
+from __future__ import annotations
+
+import logging
+import pickle
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch._subclasses import FakeTensorMode
+
+from torch_ext.backend.compile import first_use
+
+
+def _sdpa_graph(device="cuda", mask=True, **kwargs) -> fx.GraphModule:
+    graph = fx.Graph()
+    mode = FakeTensorMode()
+    names = ["q", "k", "v"] + (["mask"] if mask else [])
+    nodes = []
+    with mode:
+        for name in names:
+            node = graph.placeholder(name)
+            shape = (1, 4, 16, 32) if name != "mask" else (1, 1, 16, 16)
+            node.meta["example_value"] = torch.empty(shape, device=device, dtype=torch.bfloat16)
+            nodes.append(node)
+    args = tuple(nodes[:3])
+    call_kwargs = dict(kwargs, **({"attn_mask": nodes[3]} if mask else {}))
+    out = graph.call_function(torch._C._nn.scaled_dot_product_attention, args, call_kwargs)
+    graph.output(out)
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.fixture
+def sdpa_picks(monkeypatch):
+    """A CUDA machine where SDPA picks `choice`: records what it was asked."""
+    from torch.nn.attention import SDPBackend
+
+    asked = []
+    monkeypatch.setattr(first_use, "_cudnn_sdpa_possible", lambda: True)
+
+    def pick(choice):
+        monkeypatch.setattr(first_use, "_sdpa_choice", lambda *call: asked.append(call) or int(choice))
+        return asked
+
+    pick.cudnn = SDPBackend.CUDNN_ATTENTION
+    pick.flash = SDPBackend.FLASH_ATTENTION
+    return pick
+
+
+def test_a_graph_whose_sdpa_picks_cudnn_needs_it(sdpa_picks):
+    asked = sdpa_picks(sdpa_picks.cudnn)
+    assert first_use.libraries_needed(_sdpa_graph(scale=0.5, is_causal=False)) == (first_use.CUDNN_SDPA,)
+    device, shapes, options = asked[0]
+    assert device.type == "cuda"
+    assert shapes["query"] == ((1, 4, 16, 32), (2048, 512, 32, 1), torch.bfloat16)
+    assert shapes["attn_mask"][0] == (1, 1, 16, 16)
+    assert options == {"scale": 0.5, "is_causal": False}
+
+
+def test_a_graph_whose_sdpa_picks_another_backend_needs_nothing(sdpa_picks):
+    sdpa_picks(sdpa_picks.flash)
+    assert first_use.libraries_needed(_sdpa_graph(mask=False, is_causal=True)) == ()
+
+
+def test_cpu_graphs_and_graphs_without_example_values_need_nothing(sdpa_picks):
+    sdpa_picks(sdpa_picks.cudnn)
+    assert first_use.libraries_needed(_sdpa_graph(device="cpu")) == ()  # the real choice: not a CUDA tensor
+    gm = _sdpa_graph()
+    for node in gm.graph.find_nodes(op="placeholder"):
+        del node.meta["example_value"]  # as inside a loaded graph's pieces
+    assert first_use.libraries_needed(gm) == ()
+
+
+def test_without_cuda_nothing_is_probed(monkeypatch):
+    monkeypatch.setattr(first_use, "_cudnn_sdpa_possible", lambda: False)
+    monkeypatch.setattr(first_use, "_sdpa_choice", lambda *a: pytest.fail("probed"))
+    assert first_use.libraries_needed(_sdpa_graph()) == ()
+
+
+def test_a_real_cpu_model_traced_by_dynamo_needs_nothing():
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(first_use.libraries_needed(gm))
+        return gm
+
+    q = torch.randn(1, 2, 8, 16)
+    out = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), backend=backend)(q)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert seen == [()]
+
+
+def _decode_attention_graph(device) -> fx.GraphModule:
+    import torch_ext.kernels.decode_attention  # noqa: F401  (registers the op)
+
+    graph = fx.Graph()
+    with FakeTensorMode():
+        q = graph.placeholder("q")
+        q.meta["example_value"] = torch.empty(1, 4, 1, 32, device=device, dtype=torch.bfloat16)
+    node = graph.call_function(torch.ops.torch_ext.decode_attention.default, (q, q, q))
+    graph.output(node)
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_our_decode_attention_on_cuda_needs_its_triton_imports(monkeypatch):
+    monkeypatch.setattr(first_use, "_cudnn_sdpa_possible", lambda: False)
+    assert first_use.libraries_needed(_decode_attention_graph("cuda")) == (first_use.TRITON_DECODE_ATTENTION,)
+    assert first_use.libraries_needed(_decode_attention_graph("cpu")) == ()
+    gm = _decode_attention_graph("cuda")
+    for node in gm.graph.nodes:
+        node.meta.pop("example_value", None)  # a loaded graph's piece: the op is there only for CUDA graphs
+    assert first_use.libraries_needed(gm) == (first_use.TRITON_DECODE_ATTENTION,)
+
+
+def test_libraries_load_once_per_device_and_a_failure_is_only_logged(monkeypatch, caplog):
+    calls = []
+    monkeypatch.setattr(first_use, "_loaded", set())
+    monkeypatch.setattr(first_use.torch.cuda, "is_available", lambda: True)
+
+    def fail(device):
+        calls.append(device)
+        raise RuntimeError("no cuDNN here")
+
+    monkeypatch.setitem(first_use._LOADERS, first_use.CUDNN_SDPA, fail)
+    with caplog.at_level(logging.INFO, logger=first_use.__name__):
+        first_use.load_libraries((first_use.CUDNN_SDPA,), device=0)
+        first_use.load_libraries((first_use.CUDNN_SDPA,), device=0)
+        first_use.load_libraries((first_use.CUDNN_SDPA, "unknown"), device=1)
+    assert calls == [0, 1]
+    assert "no cuDNN here" in caplog.text
+
+
+def test_a_warm_start_entry_keeps_the_names_and_loading_it_loads_them(monkeypatch):
+    from torch_ext.backend.warm_start import saved_graph
+
+    loaded = []
+    monkeypatch.setattr(saved_graph, "load_libraries", lambda names: loaded.append(tuple(names)))
+    gm = _sdpa_graph(device="cpu")
+    kept = saved_graph.SavedGraph(None, b"", None, [], gm, None, (first_use.CUDNN_SDPA,))
+    state = pickle.loads(saved_graph.SavedGraph.serialize_compile_artifacts(kept))
+    assert state["libraries"] == (first_use.CUDNN_SDPA,)
+
+    class Backend:
+        def __call__(self, gm, example_inputs, **kwargs):
+            return gm
+
+    state["graph"] = saved_graph.dump_graph(gm, lambda node: False)
+    token = saved_graph.loading_backend.set(Backend())
+    try:
+        loaded_graph = saved_graph.SavedGraph.deserialize_compile_artifacts(pickle.dumps(state))
+    finally:
+        saved_graph.loading_backend.reset(token)
+    assert loaded == [(first_use.CUDNN_SDPA,)] and loaded_graph.libraries == (first_use.CUDNN_SDPA,)
+    del state["libraries"]  # an entry saved before the names were kept loads as before
+    token = saved_graph.loading_backend.set(Backend())
+    try:
+        assert saved_graph.SavedGraph.deserialize_compile_artifacts(pickle.dumps(state)).libraries == ()
+    finally:
+        saved_graph.loading_backend.reset(token)

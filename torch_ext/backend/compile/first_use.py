@@ -1,0 +1,192 @@
+"""Libraries a compiled graph calls that load on their first call in a process, loaded where the graph
+is compiled or loaded instead.
+
+cuDNN's attention: the first cuDNN SDPA call of a process took 1.53 s on an H200 (torch 2.11, cuDNN
+9.19: it loads its engine libraries), the next calls 0.3-1.1 ms; a new shape or a new thread costs
+75-80 ms (its plans are kept per thread). Inductor calls it for a prefill whose mask transformers
+materializes under compile, so a background-compiling process paid 1.79 s at its first prefill
+program call, 1.73 s of it in 16 cuDNN calls (bench/hf_generate.py --profile-switch). Loaded on the
+compile thread, the serving thread pays its plan only.
+
+Which library a graph needs is decided from its nodes' example values (SDPA's own choice for those
+shapes, `torch._fused_sdp_choice`), so a process that never calls cuDNN does not load it; warm start
+saves the names (the loaded graph has no example values inside its pieces).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger(__name__)
+
+CUDNN_SDPA = "cudnn_sdpa"
+# Our decode attention's first launch in a process imported triton.experimental.gluon (0.11-0.2 s of a
+# warm process's 0.21 s switch, H200) and the kernels' module.
+TRITON_DECODE_ATTENTION = "triton_decode_attention"
+MAX_PROBE_BYTES = 256 << 20  # tensors made to ask SDPA's choice (a training-size batch skips the probe)
+
+_loaded: set[tuple[str, int]] = set()
+_lock = threading.Lock()
+
+
+def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False):
+    pass
+
+
+_SDPA = inspect.signature(_sdpa_signature)
+_SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
+
+
+def libraries_needed(gm: fx.GraphModule) -> tuple[str, ...]:
+    """Names of the first-use libraries the graph's calls would load (from example values; () where
+    they are not there)."""
+    needed = []
+    cudnn = _cudnn_sdpa_possible()
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if cudnn and CUDNN_SDPA not in needed and node.target in _SDPA_TARGETS and _picks_cudnn(node):
+                needed.append(CUDNN_SDPA)
+            elif TRITON_DECODE_ATTENTION not in needed and _is_decode_attention(node) and _on_cuda(node):
+                needed.append(TRITON_DECODE_ATTENTION)
+    return tuple(needed)
+
+
+def _is_decode_attention(node: fx.Node) -> bool:
+    name = getattr(node.target, "_name", None)  # an OpOverload's "namespace::op"
+    return isinstance(name, str) and name.startswith("torch_ext::decode_attention")
+
+
+def _on_cuda(node: fx.Node) -> bool:
+    """A CUDA example value among its inputs (a loaded graph's pieces have none: then assumed, as
+    decode attention is rewritten in only for CUDA graphs)."""
+    values = [a.meta.get("example_value", a.meta.get("val")) for a in node.all_input_nodes]
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    return not tensors or any(v.device.type == "cuda" for v in tensors)
+
+
+def _cudnn_sdpa_possible() -> bool:
+    return torch.cuda.is_available() and torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def load_libraries(names, device: int | None = None) -> None:
+    """Load each named library once per process and device (a tiny call); failures are logged, never
+    raised: the graph's own first call would load it anyway."""
+    if not names or not torch.cuda.is_available():
+        return
+    device = torch.cuda.current_device() if device is None else device
+    for name in names:
+        with _lock:
+            if (name, device) in _loaded:
+                continue
+            _loaded.add((name, device))
+        loader = _LOADERS.get(name)
+        if loader is None:
+            log.debug("torch_ext: no first-use loader for %r", name)
+            continue
+        start = time.perf_counter()
+        try:
+            loader(device)
+        except Exception as e:  # noqa: BLE001 - an optimization only
+            log.info("torch_ext: loading %s ahead of the first call failed (%s: %s)", name, type(e).__name__, e)
+            continue
+        log.info("torch_ext: %s loaded ahead of the first call (%.2f s)", name, time.perf_counter() - start)
+
+
+def _load_cudnn_sdpa(device: int) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.zeros(1, 1, 64, 64, device=f"cuda:{device}", dtype=torch.bfloat16)
+    with torch.no_grad(), sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    torch.cuda.synchronize(device)
+
+
+def _load_triton_decode_attention(device: int) -> None:
+    from torch_ext.kernels import decode_attention
+
+    decode_attention._kernels()
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:  # a Triton without Gluon does not import it at the launch either
+        pass
+
+
+_LOADERS = {CUDNN_SDPA: _load_cudnn_sdpa, TRITON_DECODE_ATTENTION: _load_triton_decode_attention}
+
+
+def _picks_cudnn(node: fx.Node) -> bool:
+    from torch.nn.attention import SDPBackend
+
+    call = sdpa_call(node)
+    if call is None or call[0].type != "cuda":
+        return False
+    return _sdpa_choice(*call) == int(SDPBackend.CUDNN_ATTENTION)
+
+
+def sdpa_call(node: fx.Node) -> tuple[torch.device, dict, dict] | None:
+    """The device, the (size, stride, dtype) of each tensor argument and the other options of an SDPA
+    node, from its arguments' example values; None where one is missing, symbolic without a hint, or too
+    large to probe."""
+    try:
+        arguments = dict(_SDPA.bind(*node.args, **node.kwargs).arguments)
+    except TypeError:
+        return None
+    shapes = {}
+    device = None
+    for name in ("query", "key", "value", "attn_mask"):
+        value = arguments.pop(name, None)
+        if isinstance(value, fx.Node):
+            value = value.meta.get("example_value", value.meta.get("val"))
+            if not isinstance(value, torch.Tensor):
+                return None
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            return None
+        size, stride = _concrete(value.shape), _concrete(value.stride())
+        if size is None or stride is None:
+            return None
+        shapes[name] = (size, stride, value.dtype)
+        device = device or value.device
+    if "query" not in shapes or any(isinstance(v, fx.Node) for v in arguments.values()):
+        return None
+    if sum(_storage_bytes(*shape) for shape in shapes.values()) > MAX_PROBE_BYTES:
+        return None
+    return device, shapes, arguments
+
+
+def _sdpa_choice(device: torch.device, shapes: dict, options: dict) -> int:
+    """SDPA's own backend choice for tensors of these layouts (zeros) on the device."""
+    real = {name: torch.empty_strided(size, stride, device=device, dtype=dtype).zero_()
+            for name, (size, stride, dtype) in shapes.items()}
+    return torch._fused_sdp_choice(real["query"], real["key"], real["value"], real.get("attn_mask"),
+                                   options.get("dropout_p", 0.0), options.get("is_causal", False),
+                                   scale=options.get("scale"), enable_gqa=options.get("enable_gqa", False))
+
+
+def _concrete(values) -> tuple[int, ...] | None:
+    out = []
+    for v in values:
+        if isinstance(v, int):
+            out.append(v)
+        elif isinstance(v, torch.SymInt) and getattr(v.node, "hint", None) is not None:
+            out.append(int(v.node.hint))  # the size Dynamo traced with
+        else:
+            return None
+    return tuple(out)
+
+
+def _storage_bytes(size, stride, dtype) -> int:
+    if any(s == 0 for s in size):
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(size, stride))) * dtype.itemsize
