@@ -167,6 +167,8 @@ def child(args) -> None:
         print("steady generate profile", file=sys.stderr)
         pstats.Stats(steady_profiler, stream=sys.stderr).sort_stats("tottime").print_stats(30)
     gaps = steady.gaps()
+    if args.triton_files:
+        print_triton_files()
     print(json.dumps({
         "imports": imports, "model": model_s, "first_token": first_times.at[1] - t, "first": first,
         "process": process, "ready": ready, "eager_calls": eager_calls, "programs": counters.warm_start_seconds,
@@ -179,6 +181,18 @@ def child(args) -> None:
         device == "cuda" else "cpu", "torch": torch.__version__,
         "loads": counters.warm_start_loads, "saves": counters.warm_start_saves,
         "frames": int(torch._dynamo.utils.counters["frames"].get("total", 0))}))
+
+
+def print_triton_files() -> None:
+    """Which of our Triton kernels (decode_*) each Triton cache dir holds, by cache key (stderr): whether
+    a warm process finds what the cold one compiled."""
+    import glob
+
+    for root in sorted({os.environ.get("TRITON_CACHE_DIR") or "(unset)", os.path.expanduser("~/.triton/cache")}):
+        found = sorted(glob.glob(os.path.join(root, "*", "*.json")))
+        ours = sorted(f"{os.path.basename(os.path.dirname(f))[:10]}:{os.path.basename(f)[:-5]}" for f in found
+                      if "decode" in os.path.basename(f) and not os.path.basename(f).startswith("__grp__"))
+        print(f"triton files: {root}: {len(found)} json files; ours: {' '.join(ours)}", file=sys.stderr)
 
 
 def watch_first_program_calls(model, profile: bool) -> dict:
@@ -272,16 +286,16 @@ def run(column: str, cache: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", column, "--cache", cache, "--batch", str(args.batch),
            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens)] + (["--smoke"] if args.smoke else []) \
         + (["--profile"] if args.profile else []) + (["--profile-steady"] if args.profile_steady else []) \
-        + (["--profile-switch"] if args.profile_switch else [])
+        + (["--profile-switch"] if args.profile_switch else []) + (["--triton-files"] if args.triton_files else [])
     env = dict(os.environ, HF_GENERATE_SPAWNED=repr(time.time()))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     if done.returncode != 0:
         print(f"{column}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
         return {}
-    if args.profile or args.profile_steady or args.profile_switch:
+    if args.profile or args.profile_steady or args.profile_switch or args.triton_files:
         lines = [line for line in done.stderr.splitlines() if " ms torch_ext" in line or "(" in line
                  or "steady generate" in line or "slowest program call" in line or "  " in line
-                 or "first program call" in line]
+                 or "first program call" in line or "triton files" in line]
         print(f"--- {column}\n" + "\n".join(lines[-260:]), file=sys.stderr)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -308,6 +322,8 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="cProfile each process's first generate (stderr)")
     parser.add_argument("--profile-steady", action="store_true",
                         help="cProfile each process's steady generate, by own time (stderr): host time warm vs cold")
+    parser.add_argument("--triton-files", action="store_true",
+                        help="each process lists our Triton kernels in the Triton cache dirs at its end (stderr)")
     parser.add_argument("--profile-switch", action="store_true",
                         help="cProfile the slowest call that ran a program in the first two generates (stderr): the switch")
     parser.add_argument("--warm-rtc", action="store_true",
