@@ -184,14 +184,14 @@ def child(args) -> None:
 
 
 def print_triton_files() -> None:
-    """Which of our Triton kernels (decode_*) each Triton cache dir holds, by cache key (stderr): whether
+    """Which of our Triton kernels (not Inductor's triton_*) each Triton cache dir holds, by cache key (stderr): whether
     a warm process finds what the cold one compiled."""
     import glob
 
     for root in sorted({os.environ.get("TRITON_CACHE_DIR") or "(unset)", os.path.expanduser("~/.triton/cache")}):
         found = sorted(glob.glob(os.path.join(root, "*", "*.json")))
         ours = sorted(f"{os.path.basename(os.path.dirname(f))[:10]}:{os.path.basename(f)[:-5]}" for f in found
-                      if "decode" in os.path.basename(f) and not os.path.basename(f).startswith("__grp__"))
+                      if not os.path.basename(f).startswith(("__grp__", "triton_")))  # Inductor's: triton_*
         print(f"triton files: {root}: {len(found)} json files; ours: {' '.join(ours)}", file=sys.stderr)
 
 
