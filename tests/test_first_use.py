@@ -162,3 +162,12 @@ def test_a_warm_start_entry_keeps_the_names_and_loading_it_loads_them(monkeypatc
         assert saved_graph.SavedGraph.deserialize_compile_artifacts(pickle.dumps(state)).libraries == ()
     finally:
         saved_graph.loading_backend.reset(token)
+
+
+def test_a_probe_that_fails_needs_nothing_and_does_not_raise(sdpa_picks, monkeypatch):
+    def broken(*call):
+        raise RuntimeError("no such choice")
+
+    sdpa_picks(sdpa_picks.cudnn)
+    monkeypatch.setattr(first_use, "_sdpa_choice", broken)
+    assert first_use.libraries_needed(_sdpa_graph()) == ()

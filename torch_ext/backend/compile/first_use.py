@@ -45,7 +45,15 @@ _SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.
 
 def libraries_needed(gm: fx.GraphModule) -> tuple[str, ...]:
     """Names of the first-use libraries the graph's calls would load (from example values; () where
-    they are not there)."""
+    they are not there). Never raises: a probe that fails costs the first call its load, nothing else."""
+    try:
+        return _libraries_needed(gm)
+    except Exception as e:  # noqa: BLE001 - an optimization only
+        log.info("torch_ext: could not tell which libraries the graph loads (%s: %s)", type(e).__name__, e)
+        return ()
+
+
+def _libraries_needed(gm: fx.GraphModule) -> tuple[str, ...]:
     needed = []
     cudnn = _cudnn_sdpa_possible()
     for module in gm.modules():
