@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--kv", type=int, default=192)
     parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--compiled-layers", type=int, default=0,
+                        help="then time the first calls of an eager and an Inductor-compiled stack of this many layers")
     args = parser.parse_args()
     torch.ones(1, device="cuda")  # the context, outside the figures
     shape_q = (1, args.heads, args.seq, args.dim)
@@ -71,6 +73,41 @@ def main() -> None:
         new_shape = timed(lambda: call((q2, k, v, mask2)))
         print(f"{backend.name:<20} {first:9.1f} {' / '.join(f'{t:.2f}' for t in following):>20} "
               f"{on_thread[0]:14.2f} {new_shape:13.2f}")
+    if args.compiled_layers:
+        compiled_layers(args.compiled_layers, args.heads, args.seq, args.kv, args.dim)
+
+
+def compiled_layers(layers: int, heads: int, seq: int, kv: int, dim: int) -> None:
+    """The first call of an Inductor-compiled stack of attention layers (a projection, then SDPA over a
+    per-layer cache with an additive mask, as a compiled prefill runs it): each cuDNN call's host ms."""
+    hidden = heads * dim
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(layers))
+            self.keys = [torch.randn(1, heads, kv, dim, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+
+        def forward(self, x, mask):
+            for proj, k in zip(self.proj, self.keys):
+                q = proj(x).view(1, seq, heads, dim).transpose(1, 2)
+                x = x + F.scaled_dot_product_attention(q, k, k, attn_mask=mask).transpose(1, 2).reshape(1, seq, hidden)
+            return x
+
+    model = Stack().to("cuda", torch.bfloat16)
+    x = torch.randn(1, seq, hidden, device="cuda", dtype=torch.bfloat16)
+    mask = torch.zeros(1, 1, seq, kv, device="cuda", dtype=torch.bfloat16)
+    for name, fn in (("eager", model), ("inductor", torch.compile(model))):
+        with torch.no_grad():
+            if name == "inductor":
+                torch._dynamo.mark_static(x)
+                fn(x, mask)  # compiles (and runs once)
+                fn = torch.compile(Stack().to("cuda", torch.bfloat16))  # a fresh graph: its first call
+                fn(x, mask)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                total = timed(lambda: fn(x, mask))
+        calls = [e.cpu_time_total / 1e3 for e in prof.events() if e.name == "aten::_cudnn_attention_forward"]
+        print(f"{name}: call {total:.1f} ms; cuDNN forward calls (ms): {' '.join(f'{c:.1f}' for c in calls)}")
 
 
 if __name__ == "__main__":
