@@ -269,7 +269,7 @@ def _profile_call(inner, args, kwargs):
     sync()
     start = time.perf_counter()
     sampler.start()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         out = inner(*args, **kwargs)
         sync()
     seconds = time.perf_counter() - start
@@ -278,6 +278,8 @@ def _profile_call(inner, args, kwargs):
     lines = [f"first program call under torch.profiler: {seconds * 1e3:.0f} ms",
              prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70),
              "Python stacks sampled every 2 ms during it (thread, innermost 3 frames): samples"]
+    slow = [e for e in prof.events() if e.cpu_time_total > 20e3 and e.name.startswith("aten::")]
+    lines += [f"slow op: {e.name} {e.cpu_time_total / 1e3:.1f} ms shapes {e.input_shapes}" for e in slow[:20]]
     lines += [f"{count:6d}  {thread:18s} {where}" for (thread, where), count in samples.most_common(30)]
     return out, seconds, "\n".join(lines)
 
@@ -295,7 +297,7 @@ def run(column: str, cache: str, args) -> dict:
     if args.profile or args.profile_steady or args.profile_switch or args.triton_files:
         lines = [line for line in done.stderr.splitlines() if " ms torch_ext" in line or "(" in line
                  or "steady generate" in line or "slowest program call" in line or "  " in line
-                 or "first program call" in line or "triton files" in line]
+                 or "first program call" in line or "triton files" in line or "slow op" in line]
         print(f"--- {column}\n" + "\n".join(lines[-260:]), file=sys.stderr)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
