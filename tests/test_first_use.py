@@ -5,6 +5,7 @@ values, the names a warm-start entry keeps, loading once and never failing a com
 tests/test_first_use_gpu.py checks the real choice and the load on a GPU."""
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 
@@ -54,7 +55,11 @@ def sdpa_picks(monkeypatch):
 
 def test_a_graph_whose_sdpa_picks_cudnn_needs_it(sdpa_picks):
     asked = sdpa_picks(sdpa_picks.cudnn)
-    assert first_use.libraries_needed(_sdpa_graph(scale=0.5, is_causal=False)) == (first_use.CUDNN_SDPA,)
+    (name,) = first_use.libraries_needed(_sdpa_graph(scale=0.5, is_causal=False))
+    assert name.split(" ", 1)[0] == first_use.CUDNN_SDPA
+    spec = json.loads(name.split(" ", 1)[1])  # what the loader repeats: the graph's own configuration
+    assert spec == {"q": [1, 4, 16, 32], "k": [1, 4, 16, 32], "v": [1, 4, 16, 32], "dtype": "bfloat16",
+                    "mask": [[1, 1, 16, 16], "bfloat16"], "causal": False, "scale": 0.5, "gqa": False}
     device, shapes, options = asked[0]
     assert device.type == "cuda"
     assert shapes["query"] == ((1, 4, 16, 32), (2048, 512, 32, 1), torch.bfloat16)
@@ -122,15 +127,15 @@ def test_libraries_load_once_per_device_and_a_failure_is_only_logged(monkeypatch
     monkeypatch.setattr(first_use, "_loaded", set())
     monkeypatch.setattr(first_use.torch.cuda, "is_available", lambda: True)
 
-    def fail(device):
+    def fail(device, spec):
         calls.append(device)
         raise RuntimeError("no cuDNN here")
 
     monkeypatch.setitem(first_use._LOADERS, first_use.CUDNN_SDPA, fail)
     with caplog.at_level(logging.INFO, logger=first_use.__name__):
-        first_use.load_libraries((first_use.CUDNN_SDPA,), device=0)
-        first_use.load_libraries((first_use.CUDNN_SDPA,), device=0)
-        first_use.load_libraries((first_use.CUDNN_SDPA, "unknown"), device=1)
+        first_use.load_libraries((first_use.CUDNN_SDPA + ' {"q": [1]}',), device=0)
+        first_use.load_libraries((first_use.CUDNN_SDPA + ' {"q": [1]}',), device=0)
+        first_use.load_libraries((first_use.CUDNN_SDPA + ' {"q": [1]}', "unknown"), device=1)
     assert calls == [0, 1]
     assert "no cuDNN here" in caplog.text
 

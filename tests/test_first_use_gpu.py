@@ -56,10 +56,12 @@ def test_cudnn_attention_is_loaded_when_the_graph_compiles_and_when_it_loads(tmp
     with torch.no_grad():
         expected = model(*inputs)
         torch.testing.assert_close(torch_ext.compile(model, config)(*inputs), expected, atol=2e-2, rtol=2e-2)
-        assert (first_use.CUDNN_SDPA,) in loads
-        assert (first_use.CUDNN_SDPA, torch.cuda.current_device()) in first_use._loaded
+        cudnn = [names for names in loads if any(n.startswith(first_use.CUDNN_SDPA) for n in names)]
+        assert cudnn, loads
+        assert any(name.startswith(first_use.CUDNN_SDPA) and device == torch.cuda.current_device()
+                   for name, device in first_use._loaded)
         if compat.HAS_AOT_COMPILE:  # warm start: the loaded entry names it
             loads.clear()
             again = torch_ext.compile(model, config)
             torch.testing.assert_close(again(*inputs), expected, atol=2e-2, rtol=2e-2)
-            assert (first_use.CUDNN_SDPA,) in loads
+            assert any(n.startswith(first_use.CUDNN_SDPA) for names in loads for n in names), loads
