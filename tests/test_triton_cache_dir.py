@@ -53,6 +53,7 @@ def test_it_is_pinned_before_the_rewrites_tune_kernels_also_on_the_warm_start_pa
     from torch_ext.backend import backend
 
     monkeypatch.setattr(compat, "pin_triton_cache_dir", lambda device: order.append("pin"))
+    monkeypatch.setattr(compat, "pin_triton_ptxas", lambda: order.append("ptxas"))
     monkeypatch.setattr(backend, "_gpu_device", lambda: 0)
     real_rewrites = backend.decode_rewrites
 
@@ -66,4 +67,28 @@ def test_it_is_pinned_before_the_rewrites_tune_kernels_also_on_the_warm_start_pa
     x = torch.randn(2, 4)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
-    assert "rewrites" in order and order[0] == "pin", order
+    assert "rewrites" in order and order[:2] == ["pin", "ptxas"], order
+
+
+def test_ptxas_is_the_one_inductor_compiles_with(monkeypatch, tmp_path):
+    """Triton's cache key holds the ptxas version: a warm process must compile with the ptxas a cold one
+    had (Inductor points TRITON_PTXAS_PATH at torch's own before compiling in the process)."""
+    from torch._inductor.runtime import compile_tasks
+
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "recorded")
+    monkeypatch.delenv("TRITON_PTXAS_PATH")
+    fake_torch = tmp_path / "torch"
+    (fake_torch / "_inductor" / "runtime").mkdir(parents=True)
+    (fake_torch / "bin").mkdir()
+    ptxas = fake_torch / "bin" / "ptxas"
+    ptxas.write_text("#!/bin/sh\n")
+    ptxas.chmod(0o755)
+    monkeypatch.setattr(compile_tasks, "__file__", str(fake_torch / "_inductor" / "runtime" / "compile_tasks.py"))
+    compile_tasks._set_triton_ptxas_path.cache_clear()
+    try:
+        assert compat.pin_triton_ptxas() == str(ptxas)
+        monkeypatch.setenv("TRITON_PTXAS_PATH", "/mine/ptxas")  # a user's own is kept
+        compile_tasks._set_triton_ptxas_path.cache_clear()
+        assert compat.pin_triton_ptxas() == "/mine/ptxas"
+    finally:
+        compile_tasks._set_triton_ptxas_path.cache_clear()

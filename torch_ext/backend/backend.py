@@ -307,11 +307,13 @@ class TorchExtBackend:
 
 
 def _pin_triton_cache_dir() -> None:
-    """Cold and warm processes keep Triton's files in one place (compat.pin_triton_cache_dir says why),
-    set before anything of ours compiles or loads a Triton kernel."""
+    """Cold and warm processes keep Triton's files in one place and compile under the same keys
+    (compat.pin_triton_cache_dir and pin_triton_ptxas say why), set before anything of ours compiles or
+    loads a Triton kernel."""
     device = _gpu_device()
     if device is not None:
         compat.pin_triton_cache_dir(device)
+        compat.pin_triton_ptxas()
 
 
 def _gpu_device() -> int | None:

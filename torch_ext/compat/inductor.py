@@ -21,6 +21,18 @@ def pin_triton_cache_dir(device: int) -> str:
     return os.environ["TRITON_CACHE_DIR"]
 
 
+def pin_triton_ptxas() -> str | None:
+    """TRITON_PTXAS_PATH, set where unset to the ptxas torch ships (torch/bin/ptxas, CUDA wheels), as
+    Inductor sets it before it compiles a Triton kernel in this process (2.9.1 through 2.15). Triton's cache
+    key holds the ptxas version: a cold process, where Inductor had set it, compiled our decode-attention
+    kernels under one key, and a warm process, where Inductor compiles nothing, looked under another and
+    compiled them again at its switch to the program (0.5-0.7 s, H200)."""
+    from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+
+    _set_triton_ptxas_path()
+    return os.environ.get("TRITON_PTXAS_PATH")
+
+
 def cpu_vec_isa_names() -> list[str] | None:
     """The vector ISAs Inductor found usable for C++ kernels in this process (it compiles and loads a
     probe per candidate, in subprocesses: about a second per process on a small CPU), or None if it
