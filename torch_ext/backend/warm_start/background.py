@@ -185,10 +185,10 @@ def _submit(job: _Job) -> None:
         if _unfinished == 0:  # the interval to put back once the compile thread is idle again
             _process_interval = sys.getswitchinterval()
         _unfinished += 1
+        # The compile thread traces (make_fx; Inductor's symbolic_trace) while callers run the model
+        # eagerly: fx's patches of nn.Module.__call__ must not reach their threads (idempotent).
+        compat.confine_fx_patches_to_their_thread()
         if _worker is None or not _worker.is_alive():
-            # The compile thread traces (make_fx; Inductor's symbolic_trace) while callers run the model
-            # eagerly: fx's patches of nn.Module.__call__ must not reach their threads.
-            compat.confine_fx_patches_to_their_thread()
             _worker = threading.Thread(target=_work, name="torch_ext compile", daemon=True)
             _worker.start()
     _jobs.put(job)
