@@ -79,14 +79,17 @@ def test_ptxas_is_the_one_inductor_compiles_with(monkeypatch, tmp_path):
     monkeypatch.delenv("TRITON_PTXAS_PATH")
     fake_torch = tmp_path / "torch"
     (fake_torch / "_inductor" / "runtime").mkdir(parents=True)
-    (fake_torch / "bin").mkdir()
-    ptxas = fake_torch / "bin" / "ptxas"
-    ptxas.write_text("#!/bin/sh\n")
-    ptxas.chmod(0o755)
+    places = []
+    for where in (fake_torch / "bin", fake_torch / "_inductor" / "bin"):  # 2.13 looks in the second
+        where.mkdir(exist_ok=True)
+        ptxas = where / "ptxas"
+        ptxas.write_text("#!/bin/sh\n")
+        ptxas.chmod(0o755)
+        places.append(str(ptxas))
     monkeypatch.setattr(compile_tasks, "__file__", str(fake_torch / "_inductor" / "runtime" / "compile_tasks.py"))
     compile_tasks._set_triton_ptxas_path.cache_clear()
     try:
-        assert compat.pin_triton_ptxas() == str(ptxas)
+        assert compat.pin_triton_ptxas() in places
         monkeypatch.setenv("TRITON_PTXAS_PATH", "/mine/ptxas")  # a user's own is kept
         compile_tasks._set_triton_ptxas_path.cache_clear()
         assert compat.pin_triton_ptxas() == "/mine/ptxas"
