@@ -97,7 +97,7 @@ class TorchExtBackend:
                                  if getattr(self.config, f))
             log.warning("torch_ext: %s applies to torch_ext.compile(model, config); torch.compile(model, "
                         "backend=...) traces the model again in every process and compiles at the call.", asked)
-        _pin_triton_cache_dir()
+        _pin_triton_environment()
         floats = compat.floats_to_specialize(example_inputs)
         if floats:
             read = _symbols_read(gm)
@@ -208,7 +208,7 @@ class TorchExtBackend:
         SDPA calls run torch_ext::decode_attention, linears of a few rows torch_ext::decode_linear."""
         # Before the rewrites: kernel tuning compiles our Triton kernels, and warm start saves the graph
         # it rewrites before _compile sees it.
-        _pin_triton_cache_dir()
+        _pin_triton_environment()
         if torch.is_grad_enabled():
             return gm, None
         plan = None
@@ -306,7 +306,7 @@ class TorchExtBackend:
         counters.checkpoint_regions += group.checkpoint_regions
 
 
-def _pin_triton_cache_dir() -> None:
+def _pin_triton_environment() -> None:
     """Cold and warm processes keep Triton's files in one place and compile under the same keys
     (compat.pin_triton_cache_dir and pin_triton_ptxas say why), set before anything of ours compiles or
     loads a Triton kernel."""

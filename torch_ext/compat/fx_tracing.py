@@ -32,7 +32,6 @@ def _for_this_thread(new_fn, before):
             return new_fn(*args, **kwargs)
         return before(*args, **kwargs)
 
-    per_thread.__wrapped_per_thread__ = new_fn
     return per_thread
 
 

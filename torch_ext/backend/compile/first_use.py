@@ -147,7 +147,7 @@ def _cudnn_call_name(node: fx.Node) -> str | None:
     """"cudnn_sdpa {spec}" where SDPA picks cuDNN for the node's call, the spec its loader repeats."""
     from torch.nn.attention import SDPBackend
 
-    call = sdpa_call(node)
+    call = _sdpa_call(node)
     if call is None or call[0].type != "cuda" or _sdpa_choice(*call) != int(SDPBackend.CUDNN_ATTENTION):
         return None
     _, shapes, options = call
@@ -160,7 +160,7 @@ def _cudnn_call_name(node: fx.Node) -> str | None:
     return f"{CUDNN_SDPA} {json.dumps(spec, sort_keys=True)}"
 
 
-def sdpa_call(node: fx.Node) -> tuple[torch.device, dict, dict] | None:
+def _sdpa_call(node: fx.Node) -> tuple[torch.device, dict, dict] | None:
     """The device, the (size, stride, dtype) of each tensor argument and the other options of an SDPA
     node, from its arguments' example values; None where one is missing, symbolic without a hint, or too
     large to probe."""
@@ -174,9 +174,7 @@ def sdpa_call(node: fx.Node) -> tuple[torch.device, dict, dict] | None:
         value = arguments.pop(name, None)
         if isinstance(value, fx.Node):
             value = value.meta.get("example_value", value.meta.get("val"))
-            if not isinstance(value, torch.Tensor):
-                return None
-        if value is None:
+        elif value is None:  # no mask
             continue
         if not isinstance(value, torch.Tensor):
             return None
