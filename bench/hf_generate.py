@@ -25,7 +25,8 @@ Columns (each phase of each column is a process of its own, with its own cache d
            eagerly while the compile thread loads or compiles it (the first generate runs eagerly, cold
            or warm); "ready s" is when every program is (torch_ext.wait_compiled())
 Per process, the phases to the first token (what a server waits for), each from the process's start
-or its own: "imports" (torch, transformers, torch_ext), "model" (building it), "first token" (from
+or its own: "torch+hf" (importing torch and
+transformers), "imports" (with torch_ext for its columns; the others import it after their first generate), "model" (building it), "first token" (from
 the first generate's call to its first new token: compile or load of the prefill program, the
 prefill), "programs" (torch_ext: finding the programs, loaded or traced and compiled; "inductor": of
 which Inductor compiles and artifact loads), "capture" (torch_ext's CUDA-graph captures, all of
@@ -61,9 +62,9 @@ def child(args) -> None:
     import torch
     import transformers
 
-    import torch_ext
-    from torch_ext.backend import counters
-    from torch_ext.backend.runtime.cudagraph.stats import cudagraph_stats
+    imports_torch = time.time() - started
+    if args.child.startswith("ext"):  # the others import torch_ext after their first generate: not in their times
+        import torch_ext
     imports = time.time() - started
     model_start = time.time()
 
@@ -133,6 +134,11 @@ def child(args) -> None:
     tokens = generate(first_times)
     first = time.time() - start
     process = time.time() - started
+    import torch_ext
+    from torch_ext.backend import counters
+    from torch_ext.backend.runtime.cudagraph.stats import cudagraph_stats
+    if slowest:
+        print_longest_gap(first_times.at, slowest["calls"])
     if args.profile:
         profiler.disable()
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(45)
@@ -170,7 +176,7 @@ def child(args) -> None:
     if args.triton_files:
         print_triton_files()
     print(json.dumps({
-        "imports": imports, "model": model_s, "first_token": first_times.at[1] - t, "first": first,
+        "imports": imports, "imports_torch": imports_torch, "model": model_s, "first_token": first_times.at[1] - t, "first": first,
         "process": process, "ready": ready, "eager_calls": eager_calls, "programs": counters.warm_start_seconds,
         "inductor": counters.compile_seconds + counters.load_seconds, "capture": cudagraph_stats.capture_seconds,
         "longest_gap": max(first_times.gaps()) * 1e3, "switch": slowest.get("seconds", 0.0) * 1e3,
@@ -208,11 +214,12 @@ def watch_first_program_calls(model, profile: bool) -> dict:
     from torch_ext.backend import counters
 
     inner = model.forward
-    slowest = {"forward": inner, "seconds": 0.0, "profile": None}
+    slowest = {"forward": inner, "seconds": 0.0, "profile": None, "calls": []}
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
         eager_before = counters.background_eager_calls
+        slowest["calls"].append([time.perf_counter(), None, eager_before])  # ends filled below
         if profile and not slowest.get("first_profiled"):
             out, seconds, report = _profile_call(inner, args, kwargs)
             if counters.background_eager_calls == eager_before:  # the program's first call: the switch
@@ -235,11 +242,27 @@ def watch_first_program_calls(model, profile: bool) -> dict:
             if torch.cuda.is_initialized():
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
+            slowest["calls"][-1][1:] = [time.perf_counter(), counters.background_eager_calls > eager_before]
             if counters.background_eager_calls == eager_before and seconds > slowest["seconds"]:
                 slowest.update(seconds=seconds, profile=profiler)
 
     model.forward = forward
     return slowest
+
+
+def print_longest_gap(token_times: list, calls: list) -> None:
+    """Which forward calls the first generate's longest wait between two tokens holds, eager or program, and how
+    long each took (stderr): a stall's cause (a switch to a program, or eager steps slowed by the compile thread)."""
+    if len(token_times) < 3:
+        return
+    gaps = [(b - a, i) for i, (a, b) in enumerate(zip(token_times[1:], token_times[2:]), start=1)]
+    length, i = max(gaps)
+    start, end = token_times[i], token_times[i + 1]
+    inside = [f"{'eager' if eager else 'program'} {(stop - begin) * 1e3:.0f} ms" for begin, stop, eager in calls
+              if stop is not None and begin < end and stop > start]
+    median = sorted(g for g, _ in gaps)[len(gaps) // 2]
+    print(f"longest gap: {length * 1e3:.0f} ms after token {i} of {len(token_times) - 1} (median {median * 1e3:.1f} ms); "
+          f"calls in it: {', '.join(inside) or 'none'}", file=sys.stderr)
 
 
 def _profile_call(inner, args, kwargs):
@@ -294,10 +317,11 @@ def run(column: str, cache: str, args) -> dict:
     if done.returncode != 0:
         print(f"{column}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
         return {}
-    if args.profile or args.profile_steady or args.profile_switch or args.triton_files:
+    if args.profile or args.profile_steady or args.profile_switch or args.triton_files or column.startswith("ext"):
         lines = [line for line in done.stderr.splitlines() if " ms torch_ext" in line or "(" in line
                  or "steady generate" in line or "slowest program call" in line or "  " in line
-                 or "first program call" in line or "triton files" in line or "slow op" in line]
+                 or "first program call" in line or "triton files" in line or "slow op" in line
+                 or "longest gap:" in line]
         print(f"--- {column}\n" + "\n".join(lines[-260:]), file=sys.stderr)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -354,7 +378,7 @@ def main() -> int:
     print(f"\nHF generate, LlamaForCausalLM{' (smoke)' if args.smoke else ' 16x2048 bf16'}, batch {args.batch}, "
           f"prompt {args.prompt}, {args.new_tokens} new tokens; {info.get('device')}, torch {info.get('torch')}")
     expected = results.get(("eager", "cold"), {}).get("tokens")
-    ready = (("imports", "imports s", "{:.2f}"), ("model", "model s", "{:.2f}"), ("first_token", "first token s", "{:.2f}"),
+    ready = (("imports_torch", "torch+hf s", "{:.2f}"), ("imports", "imports s", "{:.2f}"), ("model", "model s", "{:.2f}"), ("first_token", "first token s", "{:.2f}"),
              ("programs", "programs s", "{:.2f}"), ("inductor", "inductor s", "{:.2f}"), ("capture", "capture s", "{:.2f}"),
              ("longest_gap", "longest gap ms", "{:.0f}"), ("switch", "switch ms", "{:.0f}"),
              ("first", "first generate s", "{:.2f}"),
