@@ -130,15 +130,18 @@ def child(args) -> None:
     # hf-auto compiles model.__call__: a wrapper on forward would be traced (and break its graph)
     slowest = watch_first_program_calls(model, args.profile_switch) if column.startswith("ext") else {}
     first_times = Times()
+    sampler = StackSampler() if args.sample_gap else None
     t = time.perf_counter()
     tokens = generate(first_times)
+    if sampler:
+        sampler.stop()
     first = time.time() - start
     process = time.time() - started
     import torch_ext
     from torch_ext.backend import counters
     from torch_ext.backend.runtime.cudagraph.stats import cudagraph_stats
     if slowest:
-        print_longest_gap(first_times.at, slowest["calls"])
+        print_longest_gap(first_times.at, slowest["calls"], sampler)
     if args.profile:
         profiler.disable()
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(45)
@@ -250,7 +253,46 @@ def watch_first_program_calls(model, profile: bool) -> dict:
     return slowest
 
 
-def print_longest_gap(token_times: list, calls: list) -> None:
+class StackSampler:
+    """Every thread's innermost Python frames each 2 ms, timed (--sample-gap): what the other threads ran while a
+    call was slow."""
+
+    def __init__(self):
+        import threading
+
+        self.samples = []  # (perf_counter, thread name, where)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="stack-sampler")
+        self._thread.start()
+
+    def _run(self):
+        import threading
+        import traceback
+
+        names = {}
+        while not self._done.wait(0.002):
+            now = time.perf_counter()
+            for ident, frame in sys._current_frames().items():
+                if ident == self._thread.ident:
+                    continue
+                if ident not in names:
+                    names = {t.ident: t.name for t in threading.enumerate()}
+                stack = traceback.extract_stack(frame)[-4:]
+                where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}({f.name})" for f in reversed(stack))
+                self.samples.append((now, names.get(ident, str(ident)), where))
+
+    def stop(self):
+        self._done.set()
+        self._thread.join()
+
+    def report(self, start: float, end: float, top: int = 6) -> str:
+        import collections
+
+        counts = collections.Counter((name, where) for at, name, where in self.samples if start <= at <= end)
+        return "\n".join(f"longest gap: sampled {n:4d}x {name[:16]:16s} {where}" for (name, where), n in counts.most_common(top * 3))
+
+
+def print_longest_gap(token_times: list, calls: list, sampler: StackSampler | None = None) -> None:
     """Which forward calls the first generate's longest wait between two tokens holds, eager or program, and how
     long each took (stderr): a stall's cause (a switch to a program, or eager steps slowed by the compile thread)."""
     if len(token_times) < 3:
@@ -263,6 +305,8 @@ def print_longest_gap(token_times: list, calls: list) -> None:
     median = sorted(g for g, _ in gaps)[len(gaps) // 2]
     print(f"longest gap: {length * 1e3:.0f} ms after token {i} of {len(token_times) - 1} (median {median * 1e3:.1f} ms); "
           f"calls in it: {', '.join(inside) or 'none'}", file=sys.stderr)
+    if sampler:
+        print(sampler.report(start, end), file=sys.stderr)
 
 
 def _profile_call(inner, args, kwargs):
@@ -311,7 +355,8 @@ def run(column: str, cache: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", column, "--cache", cache, "--batch", str(args.batch),
            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens)] + (["--smoke"] if args.smoke else []) \
         + (["--profile"] if args.profile else []) + (["--profile-steady"] if args.profile_steady else []) \
-        + (["--profile-switch"] if args.profile_switch else []) + (["--triton-files"] if args.triton_files else [])
+        + (["--profile-switch"] if args.profile_switch else []) + (["--triton-files"] if args.triton_files else []) \
+        + (["--sample-gap"] if args.sample_gap else [])
     env = dict(os.environ, HF_GENERATE_SPAWNED=repr(time.time()))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     if done.returncode != 0:
@@ -352,6 +397,9 @@ def main() -> int:
                         help="each process lists our Triton kernels in the Triton cache dirs at its end (stderr)")
     parser.add_argument("--profile-switch", action="store_true",
                         help="cProfile the slowest call that ran a program in the first two generates (stderr): the switch")
+    parser.add_argument("--sample-gap", action="store_true",
+                        help="torch_ext columns: sample every thread's Python stack during the first generate and "
+                             "print the longest gap's most common stacks (stderr): what stalls the token stream")
     parser.add_argument("--warm-rtc", action="store_true",
                         help="torch_ext columns: one more warm process with the compiled kernel modules deleted "
                              "(phase warm-rtc: our CUDA kernels compiled again with NVRTC, as before they were kept)")
