@@ -133,8 +133,6 @@ def child(args) -> None:
     sampler = StackSampler() if args.sample_gap else None
     t = time.perf_counter()
     tokens = generate(first_times)
-    if sampler:
-        sampler.stop()
     first = time.time() - start
     process = time.time() - started
     import torch_ext
@@ -149,8 +147,11 @@ def child(args) -> None:
     ready = time.time() - start
     eager_calls = counters.background_eager_calls
     generate()  # the graphs of a new cache are captured in the calls after the first
+    if sampler:
+        sampler.stop()
     if slowest:
         model.forward = slowest["forward"]
+        print_slowest_program_calls(slowest["calls"], sampler)
     if slowest.get("profile"):
         import pstats
 
@@ -222,7 +223,8 @@ def watch_first_program_calls(model, profile: bool) -> dict:
     @functools.wraps(inner)
     def forward(*args, **kwargs):
         eager_before = counters.background_eager_calls
-        slowest["calls"].append([time.perf_counter(), None, eager_before])  # ends filled below
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        slowest["calls"].append([time.perf_counter(), None, eager_before, getattr(ids, "shape", ())])  # end, eager: below
         if profile and not slowest.get("first_profiled"):
             out, seconds, report = _profile_call(inner, args, kwargs)
             if counters.background_eager_calls == eager_before:  # the program's first call: the switch
@@ -245,7 +247,7 @@ def watch_first_program_calls(model, profile: bool) -> dict:
             if torch.cuda.is_initialized():
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
-            slowest["calls"][-1][1:] = [time.perf_counter(), counters.background_eager_calls > eager_before]
+            slowest["calls"][-1][1:3] = [time.perf_counter(), counters.background_eager_calls > eager_before]
             if counters.background_eager_calls == eager_before and seconds > slowest["seconds"]:
                 slowest.update(seconds=seconds, profile=profiler)
 
@@ -285,11 +287,14 @@ class StackSampler:
         self._done.set()
         self._thread.join()
 
-    def report(self, start: float, end: float, top: int = 6) -> str:
+    IDLE = ("(wait)", "(_recv_msg)", "(check)", "(get)", "(select)")  # a thread waiting holds nothing
+
+    def report(self, start: float, end: float, label: str, top: int = 14) -> str:
         import collections
 
-        counts = collections.Counter((name, where) for at, name, where in self.samples if start <= at <= end)
-        return "\n".join(f"longest gap: sampled {n:4d}x {name[:16]:16s} {where}" for (name, where), n in counts.most_common(top * 3))
+        counts = collections.Counter((name, where) for at, name, where in self.samples if start <= at <= end
+                                     and not where.split(" <- ")[0].endswith(self.IDLE))
+        return "\n".join(f"{label}: sampled {n:4d}x {name[:16]:16s} {where}" for (name, where), n in counts.most_common(top))
 
 
 def print_longest_gap(token_times: list, calls: list, sampler: StackSampler | None = None) -> None:
@@ -300,13 +305,25 @@ def print_longest_gap(token_times: list, calls: list, sampler: StackSampler | No
     gaps = [(b - a, i) for i, (a, b) in enumerate(zip(token_times[1:], token_times[2:]), start=1)]
     length, i = max(gaps)
     start, end = token_times[i], token_times[i + 1]
-    inside = [f"{'eager' if eager else 'program'} {(stop - begin) * 1e3:.0f} ms" for begin, stop, eager in calls
+    inside = [f"{'eager' if eager else 'program'} {(stop - begin) * 1e3:.0f} ms" for begin, stop, eager, _ in calls
               if stop is not None and begin < end and stop > start]
     median = sorted(g for g, _ in gaps)[len(gaps) // 2]
     print(f"longest gap: {length * 1e3:.0f} ms after token {i} of {len(token_times) - 1} (median {median * 1e3:.1f} ms); "
           f"calls in it: {', '.join(inside) or 'none'}", file=sys.stderr)
     if sampler:
-        print(sampler.report(start, end), file=sys.stderr)
+        print(sampler.report(start, end, "longest gap"), file=sys.stderr)
+
+
+def print_slowest_program_calls(calls: list, sampler: StackSampler | None, top: int = 3) -> None:
+    """The first two generates' slowest calls that ran a program (call number, input shape, ms), and with
+    --sample-gap the stacks sampled during the slowest (stderr): what the switch to a program spends."""
+    done = [(stop - begin, n, begin, stop, shape) for n, (begin, stop, eager, shape) in enumerate(calls)
+            if stop is not None and not eager]
+    done.sort(reverse=True)
+    print("slowest program calls: " + ", ".join(f"call {n} {tuple(shape)} {seconds * 1e3:.0f} ms"
+                                               for seconds, n, _, _, shape in done[:top]), file=sys.stderr)
+    if sampler and done:
+        print(sampler.report(done[0][2], done[0][3], "slowest program call"), file=sys.stderr)
 
 
 def _profile_call(inner, args, kwargs):
@@ -366,7 +383,7 @@ def run(column: str, cache: str, args) -> dict:
         lines = [line for line in done.stderr.splitlines() if " ms torch_ext" in line or "(" in line
                  or "steady generate" in line or "slowest program call" in line or "  " in line
                  or "first program call" in line or "triton files" in line or "slow op" in line
-                 or "longest gap:" in line]
+                 or "longest gap:" in line or "slowest program call" in line]
         print(f"--- {column}\n" + "\n".join(lines[-260:]), file=sys.stderr)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
