@@ -114,12 +114,75 @@ def _decode_attention_graph(device) -> fx.GraphModule:
 
 def test_our_decode_attention_on_cuda_needs_its_triton_imports(monkeypatch):
     monkeypatch.setattr(first_use, "_cudnn_sdpa_possible", lambda: False)
-    assert first_use.libraries_needed(_decode_attention_graph("cuda")) == (first_use.TRITON_DECODE_ATTENTION,)
+    names = first_use.libraries_needed(_decode_attention_graph("cuda"))
+    assert names[0] == first_use.TRITON_DECODE_ATTENTION
+    assert [n.split(" ", 1)[0] for n in names[1:]] == [first_use.TORCH_EXT_OP]  # and the call itself
     assert first_use.libraries_needed(_decode_attention_graph("cpu")) == ()
     gm = _decode_attention_graph("cuda")
     for node in gm.graph.nodes:
         node.meta.pop("example_value", None)  # a loaded graph's piece: the op is there only for CUDA graphs
     assert first_use.libraries_needed(gm) == (first_use.TRITON_DECODE_ATTENTION,)
+
+
+def _decode_linear_graph(layers: int, rows: int = 1, out_features: int = 48) -> fx.GraphModule:
+    """`layers` decode_linear calls of one layout on CUDA example values, and a CPU-side linear."""
+    import torch_ext.kernels.decode_linear  # noqa: F401  (registers the op)
+
+    graph = fx.Graph()
+    with FakeTensorMode():
+        x = graph.placeholder("x")
+        x.meta["example_value"] = torch.empty(rows, 32, device="cuda", dtype=torch.bfloat16)
+        w = graph.placeholder("w")
+        w.meta["example_value"] = torch.empty(out_features, 32, device="cuda", dtype=torch.bfloat16)
+        outs = [graph.call_function(torch.ops.torch_ext.decode_linear.default, (x, w, None, True),
+                                    {"eps": 1e-6, "gate": [0, 24, 24]}) for _ in range(layers)]
+        outs.append(graph.call_function(torch.ops.aten.mm.default, (x, w)))  # not ours: never repeated
+    graph.output(tuple(outs))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_our_ops_are_repeated_once_per_distinct_call_with_the_graphs_layouts(monkeypatch):
+    monkeypatch.setattr(first_use, "_cudnn_sdpa_possible", lambda: False)
+    (name,) = first_use.libraries_needed(_decode_linear_graph(layers=3))  # three layers, one layout: one call
+    kind, spec = name.split(" ", 1)
+    assert kind == first_use.TORCH_EXT_OP
+    assert json.loads(spec) == {"op": "decode_linear", "overload": "default",
+                                "args": [{"tensor": [[1, 32], [32, 1], "bfloat16"]},
+                                         {"tensor": [[48, 32], [32, 1], "bfloat16"]}, None, True],
+                                "kwargs": {"eps": 1e-6, "gate": [0, 24, 24]}}
+    # The loader's call is the graph's: same op, layouts and options (on the CPU here: its reference).
+    op, args, kwargs = first_use.torch_ext_op_call(json.loads(spec), "cpu")
+    assert op is torch.ops.torch_ext.decode_linear.default
+    assert [(a.shape, a.stride(), a.dtype) for a in args[:2]] == [((1, 32), (32, 1), torch.bfloat16),
+                                                                  ((48, 32), (32, 1), torch.bfloat16)]
+    assert args[2:] == [None, True] and kwargs == {"eps": 1e-6, "gate": [0, 24, 24]}
+    assert op(*args, **kwargs).shape == (1, 24)
+
+
+def test_a_views_storage_offset_is_repeated(monkeypatch):
+    """Triton specializes on a pointer's alignment: a view at an offset is repeated at that offset."""
+    monkeypatch.setattr(first_use, "_cudnn_sdpa_possible", lambda: False)
+    gm = _decode_linear_graph(layers=1)
+    with FakeTensorMode():
+        x = next(iter(gm.graph.find_nodes(op="placeholder")))
+        x.meta["example_value"] = torch.empty(70, device="cuda", dtype=torch.bfloat16).as_strided((1, 32), (32, 1), 3)
+    (name,) = first_use.libraries_needed(gm)
+    spec = json.loads(name.split(" ", 1)[1])
+    assert spec["args"][0] == {"tensor": [[1, 32], [32, 1], "bfloat16"], "offset": 3}
+    _, args, _ = first_use.torch_ext_op_call(spec, "cpu")
+    assert (args[0].storage_offset(), args[0].shape, args[0].stride()) == (3, (1, 32), (32, 1))
+    assert not args[0].any()
+
+
+def test_a_call_too_large_to_repeat_or_of_unknown_layout_is_left_to_its_first_call(monkeypatch):
+    monkeypatch.setattr(first_use, "_cudnn_sdpa_possible", lambda: False)
+    monkeypatch.setattr(first_use, "MAX_PROBE_BYTES", 48 * 32 * 2)  # the weight alone: x does not fit beside it
+    assert first_use.libraries_needed(_decode_linear_graph(layers=1)) == ()
+    monkeypatch.undo()
+    monkeypatch.setattr(first_use, "_cudnn_sdpa_possible", lambda: False)
+    gm = _decode_linear_graph(layers=1)
+    del next(iter(gm.graph.find_nodes(op="placeholder"))).meta["example_value"]  # a loaded graph's piece
+    assert first_use.libraries_needed(gm) == ()
 
 
 def test_libraries_load_once_per_device_and_a_failure_is_only_logged(monkeypatch, caplog):

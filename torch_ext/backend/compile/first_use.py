@@ -8,6 +8,12 @@ materializes under compile, so a background-compiling process paid 1.79 s at its
 program call, 1.73 s of it in 16 cuDNN calls (bench/hf_generate.py --profile-switch). Loaded on the
 compile thread, the serving thread pays its plan only.
 
+Our own Triton kernels (torch_ext::decode_linear, decode_attention, fused_add_rms_norm) compile at their
+first launch for each specialization (shapes, strides, dtypes). A cold background-compiling process
+compiled them at the decode program's first call, on the serving thread: 1.50 s of Triton (H200,
+bench/hf_generate.py --sample-gap). Each distinct call of the graph is now made once on zeros of its
+layouts where the graph compiles (or loads: then from Triton's cache).
+
 Which library a graph needs is decided from its nodes' example values (SDPA's own choice for those
 shapes, `torch._fused_sdp_choice`), so a process that never calls cuDNN does not load it; warm start
 saves the names (the loaded graph has no example values inside its pieces).
@@ -29,7 +35,10 @@ CUDNN_SDPA = "cudnn_sdpa"
 # Our decode attention's first launch in a process imported triton.experimental.gluon (0.11-0.2 s of a
 # warm process's 0.21 s switch, H200) and the kernels' module.
 TRITON_DECODE_ATTENTION = "triton_decode_attention"
-MAX_PROBE_BYTES = 256 << 20  # tensors made to ask SDPA's choice (a training-size batch skips the probe)
+# A call of one of our ops on zeros of the graph's layouts: "torch_ext_op {spec}". Only our namespace:
+# its ops have no effect beyond their outputs and the inputs they declare mutated, so zeros are safe.
+TORCH_EXT_OP = "torch_ext_op"
+MAX_PROBE_BYTES = 256 << 20  # tensors made for one probe (a training-size batch or a huge head skips it)
 
 _loaded: set[tuple[str, int]] = set()
 _lock = threading.Lock()
@@ -67,9 +76,56 @@ def _libraries_needed(gm: fx.GraphModule) -> tuple[str, ...]:
                 name = _cudnn_call_name(node)
                 if name is not None and name not in needed:
                     needed.append(name)
-            elif TRITON_DECODE_ATTENTION not in needed and _is_decode_attention(node) and _on_cuda(node):
-                needed.append(TRITON_DECODE_ATTENTION)
+            elif _is_torch_ext_op(node):
+                if TRITON_DECODE_ATTENTION not in needed and _is_decode_attention(node) and _on_cuda(node):
+                    needed.append(TRITON_DECODE_ATTENTION)
+                name = _torch_ext_op_call_name(node)
+                if name is not None and name not in needed:
+                    needed.append(name)
     return tuple(needed)
+
+
+def _is_torch_ext_op(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "torch_ext"
+
+
+def _torch_ext_op_call_name(node: fx.Node) -> str | None:
+    """"torch_ext_op {spec}" for a call of our op on CUDA tensors of concrete layouts (the spec its loader
+    repeats on zeros); None where an argument is not known or the call is too large to repeat."""
+    budget = [MAX_PROBE_BYTES]
+    on_cuda = [False]
+
+    def encode(value):
+        if isinstance(value, fx.Node):
+            value = value.meta.get("example_value", value.meta.get("val"))
+            if not isinstance(value, torch.Tensor):
+                return _NOT_KNOWN if value is None else encode(value)
+            size, stride = _concrete(value.shape), _concrete(value.stride())
+            if size is None or stride is None or value.device.type != "cuda":
+                return _NOT_KNOWN
+            offset = value.storage_offset()  # a view's offset changes its pointer's alignment: Triton specializes on it
+            if not isinstance(offset, int):
+                return _NOT_KNOWN
+            on_cuda[0] = True
+            budget[0] -= _storage_bytes(size, stride, value.dtype) + offset * value.dtype.itemsize
+            return {"tensor": [list(size), list(stride), str(value.dtype).removeprefix("torch.")],
+                    **({"offset": offset} if offset else {})}
+        if isinstance(value, (list, tuple)):
+            items = [encode(v) for v in value]
+            return _NOT_KNOWN if any(i is _NOT_KNOWN for i in items) else items
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        return _NOT_KNOWN
+
+    args, kwargs = encode(list(node.args)), {k: encode(v) for k, v in node.kwargs.items()}
+    if args is _NOT_KNOWN or any(v is _NOT_KNOWN for v in kwargs.values()) or not on_cuda[0] or budget[0] < 0:
+        return None
+    spec = {"op": node.target._name.split("::", 1)[1], "overload": node.target._overloadname, "args": args,
+            "kwargs": kwargs}
+    return f"{TORCH_EXT_OP} {json.dumps(spec, sort_keys=True)}"
+
+
+_NOT_KNOWN = object()
 
 
 def _is_decode_attention(node: fx.Node) -> bool:
@@ -140,7 +196,34 @@ def _load_triton_decode_attention(device: int, spec: dict) -> None:
         pass
 
 
-_LOADERS = {CUDNN_SDPA: _load_cudnn_sdpa, TRITON_DECODE_ATTENTION: _load_triton_decode_attention}
+def torch_ext_op_call(spec: dict, device: str):
+    """(op, args, kwargs) of a "torch_ext_op" spec, its tensors zeros of the recorded layouts on device."""
+
+    def decode(value):
+        if isinstance(value, dict):
+            size, stride, dtype = value["tensor"]
+            offset = value.get("offset", 0)
+            storage = torch.zeros(offset + _storage_bytes(size, stride, torch.int8), device=device,
+                                  dtype=getattr(torch, dtype))  # elements: bytes of int8
+            return storage.as_strided(size, stride, offset)
+        if isinstance(value, list):
+            return [decode(v) for v in value]
+        return value
+
+    op = getattr(getattr(torch.ops.torch_ext, spec["op"]), spec["overload"])
+    return op, decode(spec["args"]), {k: decode(v) for k, v in spec["kwargs"].items()}
+
+
+def _load_torch_ext_op(device: int, spec: dict) -> None:
+    """The call on zeros of its layouts: its Triton kernels compile (cold) or load from Triton's cache."""
+    op, args, kwargs = torch_ext_op_call(spec, f"cuda:{device}")
+    with torch.no_grad(), torch.cuda.device(device):
+        op(*args, **kwargs)
+    torch.cuda.synchronize(device)
+
+
+_LOADERS = {CUDNN_SDPA: _load_cudnn_sdpa, TRITON_DECODE_ATTENTION: _load_triton_decode_attention,
+            TORCH_EXT_OP: _load_torch_ext_op}
 
 
 def _cudnn_call_name(node: fx.Node) -> str | None:
