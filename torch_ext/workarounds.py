@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 
 from torch_ext import compat
+from torch_ext.patch_on_import import patch_when_imported
 
 log = logging.getLogger(__name__)
 
@@ -192,18 +193,24 @@ def _checkpoint_like_eager(call):
 
 
 def _patch_points():
-    """(owner, attribute, wrap) for every patch this torch version needs."""
+    """(owner, attribute, wrap) for every patch this torch version needs now (Inductor's: _INDUCTOR_PATCH)."""
     invoke_subgraph_module = importlib.import_module("torch._higher_order_ops.invoke_subgraph")
-    compile_fx_module = importlib.import_module("torch._inductor.compile_fx")
-
     wrap_module = importlib.import_module("torch._higher_order_ops.wrap")
     points = [(wrap_module.TagActivationCheckpoint, "__call__", _checkpoint_like_eager)]
-    if compat.INDUCTOR_REUSES_REGION_BUFFERS or compat.BACKWARD_CACHE_IGNORES_TANGENT_ALIASING or \
-            compat.PARTITIONER_FAILS_ON_DYNAMIC_CHECKPOINTED_RNG:
-        points.append((compile_fx_module, "compile_fx", _compile_fx_avoiding_bugs))
     if compat.BACKWARD_CACHE_IGNORES_TANGENT_ALIASING:
         points.append((invoke_subgraph_module.InvokeSubgraphAutogradOp, "backward", _distinct_tangents))
     return points
+
+
+# Inductor's compile_fx is wrapped when its module is first imported, not at install(): importing it costs
+# 0.8 s on a 2-core CPU, paid before a background-compiling process's first eager token (the compile
+# thread imports it instead).
+_INDUCTOR_PATCH = ("torch._inductor.compile_fx", "compile_fx", _compile_fx_avoiding_bugs)
+
+
+def _inductor_patch_needed() -> bool:
+    return (compat.INDUCTOR_REUSES_REGION_BUFFERS or compat.BACKWARD_CACHE_IGNORES_TANGENT_ALIASING
+            or compat.PARTITIONER_FAILS_ON_DYNAMIC_CHECKPOINTED_RNG)
 
 
 def apply() -> list:
@@ -211,6 +218,8 @@ def apply() -> list:
     undo = [(owner, name, inspect.getattr_static(owner, name)) for owner, name, _ in _patch_points()]
     for owner, name, wrap in _patch_points():
         setattr(owner, name, wrap(getattr(owner, name)))
+    if _inductor_patch_needed():
+        undo.append(patch_when_imported(*_INDUCTOR_PATCH))
     if compat.EAGER_REGION_BACKWARD_NEEDS_FAKE_MODE:
         hop = torch._higher_order_ops.invoke_subgraph
         key = torch._C.DispatchKey.Autograd
@@ -221,7 +230,11 @@ def apply() -> list:
 
 
 def restore(undo: list) -> None:
-    for owner, name, original in reversed(undo):
+    for entry in reversed(undo):
+        if callable(entry):  # a patch made (or still waiting) on import
+            entry()
+            continue
+        owner, name, original = entry
         if isinstance(owner, dict):
             owner[name] = original
         else:
