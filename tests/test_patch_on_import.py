@@ -51,6 +51,32 @@ def test_an_imported_module_is_patched_now_and_a_waiting_patch_can_be_dropped(mo
     assert not any(type(f).__name__ == "_PatchingFinder" for f in sys.meta_path)
 
 
+def test_a_module_another_thread_is_still_importing_is_patched_once_it_has_executed(tmp_path, monkeypatch):
+    """The call waits for the module to finish executing: patching it half-way failed (its attribute not
+    there yet)."""
+    (tmp_path / "te_patch_busy.py").write_text(textwrap.dedent("""
+        import threading, time
+        from torch_ext.patch_on_import import patch_when_imported
+
+        undo = []
+        patcher = threading.Thread(target=lambda: undo.append(patch_when_imported(__name__, "f", lambda f: lambda: 2 * f())))
+        patcher.start()
+        time.sleep(0.3)  # the patcher finds this module in sys.modules, not yet executed
+        def f():
+            return 1
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        import te_patch_busy
+
+        te_patch_busy.patcher.join(10)
+        assert te_patch_busy.undo and te_patch_busy.f() == 2
+        te_patch_busy.undo[0]()
+        assert te_patch_busy.f() == 1
+    finally:
+        sys.modules.pop("te_patch_busy", None)
+
+
 def test_install_leaves_inductor_unimported_and_wraps_compile_fx_when_it_is_imported():
     code = textwrap.dedent("""
         import sys, torch, torch._dynamo

@@ -8,6 +8,7 @@ take the name from it.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import inspect
 import sys
@@ -29,15 +30,18 @@ def patch_when_imported(module_name: str, attribute: str, wrap: Callable) -> Cal
                 setattr(module, attribute, wrap(getattr(module, attribute)))
                 state["module"] = module
 
+    # A module in sys.modules may still be executing in another thread: import_module waits for it.
     finder = _PatchingFinder(module_name, apply)
-    module = sys.modules.get(module_name)
-    if module is not None:
-        apply(module)
+    if module_name in sys.modules:
+        apply(importlib.import_module(module_name))
     else:
         sys.meta_path.insert(0, finder)
         if module_name in sys.modules:  # imported by another thread meanwhile, before the finder was in
             finder.remove()
-            apply(sys.modules[module_name])
+            apply(importlib.import_module(module_name))
+        # Left open: a thread whose import had found the module's spec, but not yet entered it in
+        # sys.modules, as the finder went in. The backend applies the workarounds' Inductor options to
+        # each graph it compiles itself (workarounds.inductor_patches), whatever compile_fx is.
 
     def undo():
         finder.remove()
