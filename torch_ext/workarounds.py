@@ -215,8 +215,9 @@ def _inductor_patch_needed() -> bool:
 
 def apply() -> list:
     """Apply every workaround; returns what `restore` needs to undo them exactly."""
-    undo = [(owner, name, inspect.getattr_static(owner, name)) for owner, name, _ in _patch_points()]
-    for owner, name, wrap in _patch_points():
+    points = _patch_points()
+    undo = [(owner, name, inspect.getattr_static(owner, name)) for owner, name, _ in points]
+    for owner, name, wrap in points:
         setattr(owner, name, wrap(getattr(owner, name)))
     if _inductor_patch_needed():
         undo.append(patch_when_imported(*_INDUCTOR_PATCH))

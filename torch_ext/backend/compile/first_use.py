@@ -85,6 +85,10 @@ def _libraries_needed(gm: fx.GraphModule) -> tuple[str, ...]:
     return tuple(needed)
 
 
+def _example_value(node: fx.Node):
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
 def _is_torch_ext_op(node: fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "torch_ext"
 
@@ -92,12 +96,13 @@ def _is_torch_ext_op(node: fx.Node) -> bool:
 def _torch_ext_op_call_name(node: fx.Node) -> str | None:
     """"torch_ext_op {spec}" for a call of our op on CUDA tensors of concrete layouts (the spec its loader
     repeats on zeros); None where an argument is not known or the call is too large to repeat."""
-    budget = [MAX_PROBE_BYTES]
-    on_cuda = [False]
+    budget = MAX_PROBE_BYTES
+    on_cuda = False
 
     def encode(value):
+        nonlocal budget, on_cuda
         if isinstance(value, fx.Node):
-            value = value.meta.get("example_value", value.meta.get("val"))
+            value = _example_value(value)
             if not isinstance(value, torch.Tensor):
                 return _NOT_KNOWN if value is None else encode(value)
             size, stride = _concrete(value.shape), _concrete(value.stride())
@@ -106,8 +111,8 @@ def _torch_ext_op_call_name(node: fx.Node) -> str | None:
             offset = value.storage_offset()  # a view's offset changes its pointer's alignment: Triton specializes on it
             if not isinstance(offset, int):
                 return _NOT_KNOWN
-            on_cuda[0] = True
-            budget[0] -= _storage_bytes(size, stride, value.dtype) + offset * value.dtype.itemsize
+            on_cuda = True
+            budget -= _storage_bytes(size, stride, value.dtype) + offset * value.dtype.itemsize
             return {"tensor": [list(size), list(stride), str(value.dtype).removeprefix("torch.")],
                     **({"offset": offset} if offset else {})}
         if isinstance(value, (list, tuple)):
@@ -118,7 +123,7 @@ def _torch_ext_op_call_name(node: fx.Node) -> str | None:
         return _NOT_KNOWN
 
     args, kwargs = encode(list(node.args)), {k: encode(v) for k, v in node.kwargs.items()}
-    if args is _NOT_KNOWN or any(v is _NOT_KNOWN for v in kwargs.values()) or not on_cuda[0] or budget[0] < 0:
+    if args is _NOT_KNOWN or any(v is _NOT_KNOWN for v in kwargs.values()) or not on_cuda or budget < 0:
         return None
     spec = {"op": node.target._name.split("::", 1)[1], "overload": node.target._overloadname, "args": args,
             "kwargs": kwargs}
@@ -136,7 +141,7 @@ def _is_decode_attention(node: fx.Node) -> bool:
 def _on_cuda(node: fx.Node) -> bool:
     """A CUDA example value among its inputs (a loaded graph's pieces have none: then assumed, as
     decode attention is rewritten in only for CUDA graphs)."""
-    values = [a.meta.get("example_value", a.meta.get("val")) for a in node.all_input_nodes]
+    values = [_example_value(a) for a in node.all_input_nodes]
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     return not tensors or any(v.device.type == "cuda" for v in tensors)
 
@@ -256,7 +261,7 @@ def _sdpa_call(node: fx.Node) -> tuple[torch.device, dict, dict] | None:
     for name in ("query", "key", "value", "attn_mask"):
         value = arguments.pop(name, None)
         if isinstance(value, fx.Node):
-            value = value.meta.get("example_value", value.meta.get("val"))
+            value = _example_value(value)
         elif value is None:  # no mask
             continue
         if not isinstance(value, torch.Tensor):
