@@ -230,6 +230,7 @@ def watch_first_program_calls(model, profile: bool) -> dict:
         slowest["calls"].append([time.perf_counter(), None, eager_before, getattr(ids, "shape", ())])  # end, eager: below
         if profile and not slowest.get("first_profiled"):
             out, seconds, report = _profile_call(inner, args, kwargs)
+            slowest["calls"][-1][1:3] = [time.perf_counter(), counters.background_eager_calls > eager_before]
             if counters.background_eager_calls == eager_before:  # the program's first call: the switch
                 slowest["first_profiled"] = True
                 print(report, file=sys.stderr)
@@ -262,6 +263,8 @@ class StackSampler:
     """Every thread's innermost Python frames each 2 ms, timed (--sample-gap): what the other threads ran while a
     call was slow."""
 
+    IDLE = ("(wait)", "(_recv_msg)", "(check)", "(get)", "(select)")  # a thread waiting holds nothing
+
     def __init__(self):
         import threading
 
@@ -289,8 +292,6 @@ class StackSampler:
     def stop(self):
         self._done.set()
         self._thread.join()
-
-    IDLE = ("(wait)", "(_recv_msg)", "(check)", "(get)", "(select)")  # a thread waiting holds nothing
 
     def report(self, start: float, end: float, label: str, top: int = 14) -> str:
         import collections
@@ -332,43 +333,24 @@ def print_slowest_program_calls(calls: list, sampler: StackSampler | None, top: 
 def _profile_call(inner, args, kwargs):
     """A call under torch.profiler (host ops, by self time) while a sampler records every
     thread's Python stack each 2 ms: what the switch waits on, C++ included (stderr)."""
-    import collections
-    import threading
-    import traceback
-
     import torch
 
-    samples: collections.Counter = collections.Counter()
-    stop = threading.Event()
-    me = threading.get_ident()
-
-    def sample():
-        while not stop.wait(0.002):
-            for ident, frame in sys._current_frames().items():
-                if ident == threading.get_ident():
-                    continue
-                stack = traceback.extract_stack(frame)[-3:]
-                where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}({f.name})" for f in reversed(stack))
-                samples[("caller" if ident == me else f"thread {ident}", where)] += 1
-
-    sampler = threading.Thread(target=sample, daemon=True)
     sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
     sync()
+    sampler = StackSampler()
     start = time.perf_counter()
-    sampler.start()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         out = inner(*args, **kwargs)
         sync()
-    seconds = time.perf_counter() - start
-    stop.set()
-    sampler.join()
-    lines = [f"first program call under torch.profiler: {seconds * 1e3:.0f} ms",
+    end = time.perf_counter()
+    sampler.stop()
+    lines = [f"first program call under torch.profiler: {(end - start) * 1e3:.0f} ms",
              prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70),
-             "Python stacks sampled every 2 ms during it (thread, innermost 3 frames): samples"]
+             "Python stacks sampled every 2 ms during it (thread, innermost 4 frames; waiting threads left out)"]
     slow = [e for e in prof.events() if e.cpu_time_total > 20e3 and e.name.startswith("aten::")]
     lines += [f"slow op: {e.name} {e.cpu_time_total / 1e3:.1f} ms shapes {e.input_shapes}" for e in slow[:20]]
-    lines += [f"{count:6d}  {thread:18s} {where}" for (thread, where), count in samples.most_common(30)]
-    return out, seconds, "\n".join(lines)
+    lines.append(sampler.report(start, end, "first program call", top=30))
+    return out, end - start, "\n".join(lines)
 
 
 def run(column: str, cache: str, args) -> dict:
@@ -386,7 +368,7 @@ def run(column: str, cache: str, args) -> dict:
         lines = [line for line in done.stderr.splitlines() if " ms torch_ext" in line or "(" in line
                  or "steady generate" in line or "slowest program call" in line or "  " in line
                  or "first program call" in line or "triton files" in line or "slow op" in line
-                 or "longest gap:" in line or "slowest program call" in line]
+                 or "longest gap:" in line]
         print(f"--- {column}\n" + "\n".join(lines[-260:]), file=sys.stderr)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
