@@ -20,6 +20,8 @@ Columns (logits checked against eager: relative L2 error):
                  dispatch
   ext-piecewise  torch_ext.compile split at aten::scaled_dot_product_attention (one compile per
                  distinct piece), cudagraph_mode="piecewise": SDPA runs eagerly between the graphs
+  ext-piecewise-bool-mask  (only with --with) the same with additive_attention_masks=False: each eager
+                 SDPA call converts HF's bool mask itself
 Two times per step, median ms: "GPU" from CUDA events around steps enqueued back to back (the host
 runs ahead, so host time is hidden while it is shorter than the GPU's), and "synced" the wall time of
 a step followed by a synchronize (host + GPU, as in a generate loop that reads each token or checks
@@ -69,7 +71,8 @@ from harness import print_table  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: nothing to download
 
-COLUMNS = ("eager", "hf-ro", "ext-full", "ext-piecewise")
+COLUMNS = ("eager", "hf-ro", "ext-full", "ext-piecewise", "ext-piecewise-bool-mask")
+OPT_IN = ("ext-piecewise-bool-mask",)  # run only when named in --with
 COMPILED = COLUMNS[1:]
 SDPA = "aten::scaled_dot_product_attention"
 
@@ -168,10 +171,11 @@ def make_column(name: str, model, cache_root: str):
         return torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     import torch_ext
 
-    mode = name.removeprefix("ext-")
+    mode = name.removeprefix("ext-").removesuffix("-bool-mask")
     config = torch_ext.CompileConfig(
         splitting_ops=(SDPA,) if mode == "piecewise" else (), cudagraph_mode=mode, guard_free_dispatch=True,
-        cache_dir=os.path.join(cache_root, "torch_ext"), progress_bar=False)
+        cache_dir=os.path.join(cache_root, "torch_ext"), progress_bar=False,
+        additive_attention_masks=not name.endswith("-bool-mask"))
     return torch_ext.compile(model, config, dynamic=False)  # one graph per batch size: caches read in place
 
 
@@ -252,7 +256,8 @@ def logits_errors(setup: Setup, fns: dict, batches) -> dict:
 def warm_process(args, columns) -> dict:
     """First-call seconds of `columns` in a new process that finds this one's caches."""
     cmd = [sys.executable, os.path.abspath(__file__), "--first-calls-only", "--batches",
-           ",".join(map(str, args.batches)), "--skip", ",".join(c for c in COLUMNS if c not in columns)]
+           ",".join(map(str, args.batches)), "--skip", ",".join(c for c in COLUMNS if c not in columns),
+           "--with", ",".join(c for c in OPT_IN if c in columns)]
     cmd += ["--smoke"] if args.smoke else []
     done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     for line in done.stdout.splitlines():
@@ -268,6 +273,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (each times every column)")
     parser.add_argument("--iters", type=int, default=50, help="timed steps per column per round")
     parser.add_argument("--skip", default="", help="comma-separated columns to leave out")
+    parser.add_argument("--with", dest="opt_in", default="", help=f"opt-in columns to add: {', '.join(OPT_IN)}")
     parser.add_argument("--smoke", action="store_true", help="tiny config on the CPU (checks the script)")
     parser.add_argument("--no-warm-process", action="store_true", help="skip the second (warm-cache) process")
     parser.add_argument("--first-calls-only", action="store_true", help=argparse.SUPPRESS)  # the warm process
@@ -278,7 +284,7 @@ def main() -> int:
     if not args.smoke and not torch.cuda.is_available():
         print("bench/hf_decode.py needs a CUDA GPU (or --smoke for a CPU check of the script).")
         return 0
-    skip = set(filter(None, args.skip.split(",")))
+    skip = set(filter(None, args.skip.split(","))) | (set(OPT_IN) - set(args.opt_in.split(",")))
     columns = [c for c in COLUMNS if c not in skip]
     # Inductor's and torch_ext's caches start empty in this process; the warm process reuses them.
     os.environ.setdefault("TORCH_EXT_BENCH_CACHE_ROOT", tempfile.mkdtemp(prefix="torch_ext_hf_decode_"))

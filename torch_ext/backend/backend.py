@@ -23,6 +23,7 @@ from torch_ext.backend.compile.builder import VariantBuilder
 from torch_ext.backend.compile.cache import ArtifactStore, UnsafeCacheDirError, ensure_private_dir, model_key
 from torch_ext.backend.compile.compiler import InductorCompiler
 from torch_ext.backend.compile.stack_room import with_stack_room
+from torch_ext.backend.rewrite.attention_mask import additive_attention_masks
 from torch_ext.backend.rewrite.decode import decode_rewrites
 from torch_ext.backend.rewrite.merge_projections import MergePlan, merge_projections
 from torch_ext.backend.runtime.checkpoint import CheckpointedRegion
@@ -205,7 +206,8 @@ class TorchExtBackend:
     def rewrite(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, MergePlan | None]:
         """The Dynamo graph the stages after it see (rewrite/): in inference graphs (grad off), a copy
         with its projections merged, and the plan of the buffers it takes after its own inputs; decode
-        SDPA calls run torch_ext::decode_attention, linears of a few rows torch_ext::decode_linear."""
+        SDPA calls run torch_ext::decode_attention, linears of a few rows torch_ext::decode_linear; splitting-op
+        SDPA calls take their bool masks made additive in the graph."""
         # Before the rewrites: kernel tuning compiles our Triton kernels, and warm start saves the graph
         # it rewrites before _compile sees it.
         _pin_triton_environment()
@@ -217,7 +219,10 @@ class TorchExtBackend:
             if merged is not None:
                 gm, plan = merged
         # In place (no placeholder changes): Dynamo reads only the placeholders after we return.
-        decode_rewrites(gm, self.config, lambda n: self.matcher.match(n) is not None)
+        is_splitting = lambda n: self.matcher.match(n) is not None  # noqa: E731
+        decode_rewrites(gm, self.config, is_splitting)
+        if self.config.additive_attention_masks:
+            counters.additive_attention_masks += additive_attention_masks(gm, is_splitting)
         return gm, plan
 
     def _store(self, gm: fx.GraphModule, key: str | None = None) -> ArtifactStore | None:

@@ -217,6 +217,10 @@ class CompileConfig:
     # Those calls also run the RMSNorm before them, silu(gate) * up before them and the residual add
     # after them, where the graph has HF's forms (rewrite/decode_linear_fusion.py): fewer kernels.
     decode_linear_fusion: bool = True
+    # Inference graphs: an SDPA splitting op given a bool mask gets it as SDPA's additive mask (0 / -inf),
+    # made inside the compiled piece before it, once for all calls sharing the mask
+    # (rewrite/attention_mask.py): SDPA's own conversion was ~25 us of host time per eager call.
+    additive_attention_masks: bool = True
     # Pick each decode_linear shape's kernel by timing the candidates (cuBLAS among them) on this GPU when
     # it is compiled; kept under cache_dir/tuning per GPU model (kernels/decode_linear_tuning.py). False:
     # the kernels' built-in configs, tuned by hand on an H100.
@@ -306,7 +310,7 @@ class CompileConfig:
 
         for flag in ("dedup", "cudagraph_check_addresses", "guard_free_dispatch", "unfuse_output_addmm",
                      "merge_projections", "decode_linear_fusion", "differentiate_once", "kernel_tuning",
-                     "background_compile"):
+                     "background_compile", "additive_attention_masks"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(flag, f"expected True or False, got {getattr(self, flag)!r}", f"Write {flag}=True")
         for flag in ("decode_attention", "decode_linear"):
@@ -388,6 +392,7 @@ class CompileConfig:
             "decode_attention": self.uses("decode_attention"),
             "decode_linear": self.uses("decode_linear"),
             "decode_linear_fusion": self.decode_linear_fusion,
+            "additive_attention_masks": self.additive_attention_masks,
             "kernel_tuning": self.kernel_tuning,
             # Pass identity also goes into every artifact key through PassManager.uuid().
             "post_grad_passes": [_qualified_name(p) for p in self.post_grad_passes],

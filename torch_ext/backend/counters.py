@@ -25,6 +25,7 @@ class BackendCounters:
     tuned_shapes: int = 0
     decode_linear_calls: int = 0  # linear calls of a few rows replaced by torch_ext::decode_linear
     decode_linear_fusions: int = 0  # norms, gates and residual adds folded into those calls
+    additive_attention_masks: int = 0  # splitting-op SDPA calls given their bool mask made additive in the graph
     decode_attention_calls: int = 0  # SDPA calls of one query token replaced by torch_ext::decode_attention
     inductor_compiles: int = 0  # standalone_compile calls
     cache_hits: int = 0  # variants loaded from the disk cache
