@@ -110,6 +110,8 @@ def main() -> int:
         results = {name: [] for name in fns}
         for _ in range(a.rounds):  # interleaved rounds
             for name, fn in fns.items():
+                if isinstance(results[name], str):  # failed in an earlier round
+                    continue
                 try:
                     results[name].append((host_us(fn, inner=20, reps=9), gpu_us(fn, inner=20, reps=9)))
                 except Exception as e:  # noqa: BLE001

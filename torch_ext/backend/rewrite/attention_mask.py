@@ -13,8 +13,8 @@ out of the later pieces.
 The additive mask is SDPA's own: 0 where the mask is True, -inf where it is False, in the query's dtype.
 A row with a key left visible computes the same as with the bool mask on every backend. A row that
 masks every key gets SDPA's convention, zeros (what the math, efficient and flash backends give); with
-a bool mask torch's cuDNN path of 2.10 fills a finite -65504 instead, and such a row then ignores its
-mask (pytorch #177842).
+a bool mask torch's cuDNN path fills a finite -65504 instead, and such a row then ignores its mask
+(pytorch #177842; seen with torch 2.11 on an H200, tests/test_attention_mask_gpu.py).
 """
 from __future__ import annotations
 
