@@ -18,13 +18,16 @@ the path before). Rows: MiB the forward keeps for backward (torch_ext.testing.ac
 memory of a whole step above the weights (CUDA), median step time (forward + backward) from interleaved
 rounds, and on CUDA the host's ms per step (until the step's Python returns, no sync) beside the GPU's
 (events around the steps). --checkpoint off: the same models without activation checkpointing. Ratios
-are to inductor.
+are to inductor. In every round each column first runs --warmup untimed steps (the step after a switch
+pays for the other column's allocations), and Python's garbage collector runs before each timed block
+and is off during it (a collection would land in one column's block: a host-bound step is mostly Python).
 
     python bench/checkpoint_training.py --layers 4 --hidden 64 --batch 2 --seq 32   # CPU host cost
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -88,6 +91,7 @@ def main():
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per column per round")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--checkpoint", default="on", choices=("on", "off", "both"))
     p.add_argument("--columns", default=",".join(COLUMNS))
@@ -139,6 +143,10 @@ def main():
         times, host, gpu = ({c: [] for c in columns} for _ in range(3))
         for _ in range(args.rounds):  # interleaved: host speed drifts between rounds
             for column in columns:
+                for _ in range(args.warmup):
+                    step(column)
+                gc.collect()
+                gc.disable()
                 sync(args.device)
                 if args.device == "cuda":
                     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -151,6 +159,7 @@ def main():
                 if args.device == "cuda":
                     end.record()
                 sync(args.device)
+                gc.enable()
                 times[column].append((time.perf_counter() - start) / args.iters * 1e3)
                 host[column].append(host_s / args.iters * 1e3)
                 if args.device == "cuda":
