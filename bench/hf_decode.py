@@ -44,10 +44,10 @@ and the host part is what differs:
   * full mode does not split: split at SDPA (one compile per distinct layer, faster to compile), the
     step took 3.5% more GPU time, since eager SDPA turns HF's boolean mask into an additive one on
     every call (a fill and a where per layer) where Inductor does it once for all layers;
-  * piecewise is bound by the host (16 eager SDPA calls and 17 replays); HF's mask is `expand`ed over
-    the batch (stride 0), which the CUDA-graph runner does not capture as an output, so the first
-    piece runs without its graph; SDPA allocates its result, copied into the next graph's static
-    input (an attention op writing into an `out` buffer avoids that);
+  * piecewise is bound by the host (16 eager SDPA calls and 17 replays); SDPA's own conversion of HF's
+    bool mask is made once in the graph (rewrite/attention_mask.py), and pieces that read a tensor
+    expanded over the batch (stride 0) are captured too; SDPA allocates its result, copied into the
+    next graph's static input (an attention op writing into an `out` buffer avoids that);
   * the GEMVs are two thirds of the GPU time: fusing q/k/v and gate/up (concatenated weights) is the
     next lever on the GPU side, for hf-ro and torch_ext alike.
 """

@@ -176,10 +176,15 @@ class SimulatedGraph:
         new = [new] if self.single else list(new)
         for old, value in zip(self.outs, new):
             if isinstance(old, torch.Tensor) and old is not value:
-                for d in range(old.dim()):  # an expanded output: a graph writes the memory once
-                    if old.stride(d) == 0 and old.shape[d] > 1:
-                        old, value = old.narrow(d, 0, 1), value.narrow(d, 0, 1)
-                old.copy_(value)
+                copy_once(old, value)
+
+
+def copy_once(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) where dst may be expanded (stride 0): its memory is written once."""
+    for d in range(dst.dim()):
+        if dst.stride(d) == 0 and dst.shape[d] > 1:
+            dst, src = dst.narrow(d, 0, 1), src.narrow(d, 0, 1)
+    dst.copy_(src)
 
 
 class SimulatedCudaGraphs(CudaGraphManager):
@@ -197,7 +202,7 @@ class SimulatedCudaGraphs(CudaGraphManager):
         saved = {i: a.clone() for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
         out = fn(*args)
         for i, value in saved.items():
-            args[i].copy_(value)
+            copy_once(args[i], value)
         single = not isinstance(out, (tuple, list))
         outs = [out] if single else list(out)
         self.captured.append((name, size))

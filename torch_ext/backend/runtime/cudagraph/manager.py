@@ -264,6 +264,8 @@ class CudaGraphManager(GraphCapture):
                         # dim, only by calls at exactly a capture size (runner.py).
                         spec.role = PINNED
                 spec.written = spec.written and spec.role == COPIED  # copied back after each run
+                if spec.written and spec.expanded:
+                    raise NotCapturable("it is an expanded tensor (stride 0) the region writes")
                 specs.append(spec)
         except NotCapturable as e:
             return [], self._not_capturable(info.name, f"input {name!r}", e)

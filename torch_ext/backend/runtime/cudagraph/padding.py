@@ -52,6 +52,9 @@ class Spec:
     value: Any = None  # CONST
     role: str = COPIED  # tensor inputs: STATIC, PINNED or COPIED
     written: bool = False  # the region writes this input in place
+    # Input dims of stride 0 and more than one element (a mask expanded over the batch): its static
+    # buffer is expanded too, and a copy fills its one row (runner.py).
+    expanded: tuple[int, ...] = ()
 
     def shape_at(self, symbol, n: int) -> list[int]:
         return [size_at(s, symbol, n) for s in self.shape]
@@ -61,9 +64,9 @@ class Spec:
 
 
 def spec_of(value: Any, symbol, name: str, output: bool = False) -> Spec:
-    """The spec of a region's input, or of its output (`output`): an output may be expanded (stride 0,
-    e.g. an attention mask broadcast over the batch): the graph's output tensor is only sliced, while
-    an input would need a copy into a static buffer, which an expanded tensor cannot take."""
+    """The spec of a region's input, or of its output (`output`). Either may be expanded (stride 0, e.g.
+    an attention mask broadcast over the batch): an output tensor is only sliced; an input's static
+    buffer keeps the stride 0, and a call's copy fills its single row (`Spec.expanded`)."""
     if isinstance(value, torch.Tensor):
         shape = tuple(_expr(s, symbol) for s in value.shape)
         stride = tuple(_expr(s, symbol) for s in value.stride())
@@ -74,10 +77,9 @@ def spec_of(value: Any, symbol, name: str, output: bool = False) -> Spec:
             if s != symbol:
                 raise NotCapturable(f"dim {d} has size {s}: only dims of exactly the batch size can be padded")
             batch_dims.append(d)
-        if not output and any(isinstance(st, int) and st == 0 and not (isinstance(sz, int) and sz <= 1)
-                              for sz, st in zip(shape, stride)):
-            raise NotCapturable("it is an expanded tensor (stride 0)")
-        return Spec(TENSOR, name, shape, stride, tuple(batch_dims), value.dtype)
+        expanded = () if output else tuple(d for d, (sz, st) in enumerate(zip(shape, stride))
+                                           if isinstance(st, int) and st == 0 and not (isinstance(sz, int) and sz <= 1))
+        return Spec(TENSOR, name, shape, stride, tuple(batch_dims), value.dtype, expanded=expanded)
     if isinstance(value, torch.SymInt):
         return Spec(SCALAR, name, expr=_expr(value, symbol))
     if isinstance(value, (torch.SymFloat, torch.SymBool)):
@@ -107,3 +109,13 @@ def non_owning(t: torch.Tensor) -> torch.Tensor:
     storage = t.untyped_storage()
     weak = compat.non_owning_storage(storage.data_ptr(), t.device, storage.nbytes())
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(weak, t.storage_offset(), t.shape, t.stride())
+
+
+def one_row(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor | None:
+    """t narrowed to one element along `dims`, where t repeats along each of them (stride 0), else None:
+    what an expanded static buffer holds."""
+    for d in dims:
+        if t.stride(d) != 0 and t.shape[d] > 1:
+            return None
+        t = t.narrow(d, 0, 1)
+    return t

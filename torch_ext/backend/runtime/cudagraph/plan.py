@@ -44,6 +44,7 @@ class Plan:
     pinned_at: list = dataclasses.field(default_factory=list)  # positions of `pinned`, for one C++ check
     pinned_ptrs: list = dataclasses.field(default_factory=list)  # their addresses by input position
     weights: int = 0  # the entry's weight set (a plan of another set than the group's is not replayed)
+    expanded: list = dataclasses.field(default_factory=list)  # (pos, buffer's one row, dims): Spec.expanded
 
 
 NO_GRAPH = Plan(None, None, [], [], [], [], [], None)  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ from torch_ext import compat
 from torch_ext.backend.runtime.cudagraph.errors import CudaGraphAddressError, CudaGraphCaptureError
 from torch_ext.backend.runtime.cudagraph.group import CAPTURE, REPLAY, GraphKey, RunnerGroup
 from torch_ext.backend.runtime.cudagraph.padding import (CONST, COPIED, PINNED, SCALAR, STATIC, TENSOR, Spec,
-                                                        locate_batch_size, non_owning, size_at)
+                                                        locate_batch_size, non_owning, one_row, size_at)
 from torch_ext.backend.runtime.cudagraph.plan import NO_GRAPH, Entry, Plan, moved_input
 from torch_ext.backend.runtime.cudagraph.stats import cudagraph_stats
 from torch_ext.kernels.launch_policy import launched_from_host
@@ -106,6 +106,11 @@ class CudaGraphRunner:
             return self._moved(plan.entry, *moved, args)
         if plan.checked:
             self._check(plan, args)
+        for i, dst, dims in plan.expanded:
+            src = one_row(args[i], dims)
+            if src is None:
+                return self._not_expanded(i, args)
+            dst.copy_(src)
         for i, dst in plan.copies:
             dst.copy_(args[i])
         plan.replay()
@@ -113,6 +118,12 @@ class CudaGraphRunner:
             args[i].copy_(src)
         cudagraph_stats.replays += 1
         return plan.result
+
+    def _not_expanded(self, i: int, args):
+        self.manager.note_once(("expanded", self.name, i), "torch_ext: %s runs without its CUDA graph for calls whose "
+                               "input %d '%s' is not repeated (stride 0) along dims %s as when it was compiled",
+                               self.name, i, self.inputs[i].name, list(self.inputs[i].expanded))
+        return self._uncaptured(args)
 
     def _uncaptured(self, args):
         if self.fallback is not None:
@@ -215,10 +226,21 @@ class CudaGraphRunner:
         back = []
         for i, buf in entry.buffers.items():
             view = self._rows(buf, self.inputs[i], n)
-            view.copy_(args[i])
+            dims = self.inputs[i].expanded
+            if dims:  # checked by the caller (_expanded_as_compiled)
+                one_row(view, dims).copy_(one_row(args[i], dims))
+            else:
+                view.copy_(args[i])
             if i in entry.copy_back:
                 back.append((i, view))
         return back
+
+    def _expanded_as_compiled(self, args) -> int | None:
+        """The first copied input that is not repeated along its Spec.expanded dims, else None."""
+        for i, spec in enumerate(self.inputs):
+            if spec.expanded and spec.role == COPIED and one_row(args[i], spec.expanded) is None:
+                return i
+        return None
 
     def _result(self, outs: list, n):
         values = []
@@ -235,6 +257,8 @@ class CudaGraphRunner:
         return [out] if self.single_output else list(out)
 
     def _run_padded(self, entry: Entry, n, args):
+        if self._expanded_as_compiled(args) is not None:
+            return self._not_expanded(self._expanded_as_compiled(args), args)
         back = self._fill(entry, n, args)
         out = self._outputs(self.runnable(*entry.static_args))
         for i, view in back:
@@ -242,10 +266,14 @@ class CudaGraphRunner:
         return self._result(out, n)
 
     def _plan(self, entry: Entry, n) -> Plan:
-        copies, copy_back = [], []
+        copies, copy_back, expanded = [], [], []
         for i, buf in entry.buffers.items():
             view = self._rows(buf, self.inputs[i], n)
-            copies.append((i, view))
+            dims = self.inputs[i].expanded
+            if dims:
+                expanded.append((i, one_row(view, dims), dims))
+            else:
+                copies.append((i, view))
             if i in entry.copy_back:
                 copy_back.append((i, view))
         reused = [[i, ptr, stride, None] for i, (ptr, stride) in entry.reused.items()]
@@ -259,11 +287,14 @@ class CudaGraphRunner:
             checked = [(i, entry.addresses[i]) for i, s in enumerate(self.inputs) if s.kind == TENSOR and s.role == STATIC]
             checked += [(i, s.value) for i, s in enumerate(self.inputs) if s.kind == CONST]
         return Plan(entry, entry.graph, copies, copy_back, reused, pinned, checked, self._result(entry.outputs, n),
-                     _replayer(entry.graph), *compat.address_check(pinned, len(self.inputs)), weights=entry.key.weights)
+                     _replayer(entry.graph), *compat.address_check(pinned, len(self.inputs)), weights=entry.key.weights,
+                     expanded=expanded)
 
     # -- capture ----------------------------------------------------------------------------------
 
     def _capture(self, entry: Entry, n, args):
+        if self._expanded_as_compiled(args) is not None:
+            return self._not_expanded(self._expanded_as_compiled(args), args)
         for i, spec in enumerate(self.inputs):
             if spec.kind != TENSOR:
                 continue
