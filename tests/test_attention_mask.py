@@ -32,6 +32,12 @@ def write_between(q, k, v, mask):
     return F.scaled_dot_product_attention(a, k, v, attn_mask=mask)
 
 
+def write_through_a_view(q, k, v, mask):
+    a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    mask.transpose(-1, -2)[..., 1, :].logical_not_()  # a view of the mask, written in place
+    return F.scaled_dot_product_attention(a, k, v, attn_mask=mask)
+
+
 def inputs(mask_rows_all_false: bool = False):
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8)
@@ -73,12 +79,14 @@ def test_one_conversion_serves_calls_that_share_a_mask():
     torch.testing.assert_close(gm(q, k, v, mask)[0], two_layers(q, k, v, mask), atol=0, rtol=0)
 
 
-def test_a_possible_write_between_calls_gets_its_own_conversion():
-    gm = dynamo_graph(write_between, *inputs())
+@pytest.mark.parametrize("fn", [write_between, write_through_a_view])
+def test_a_possible_write_between_calls_gets_its_own_conversion(fn):
+    gm = dynamo_graph(fn, *inputs())
     assert additive_attention_masks(gm, is_sdpa) == 2
     assert wheres(gm) == 2
     q, k, v, mask = inputs()
-    expected = write_between(q, k, v, mask.clone())
+    expected = fn(q, k, v, mask.clone())
+    assert not torch.equal(expected, two_layers(q, k, v, mask.clone()))  # the write matters
     torch.testing.assert_close(gm(q, k, v, mask.clone())[0], expected, atol=0, rtol=0)
 
 
