@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torch_ext.backend.rewrite.decode_attention import SDPA_TARGETS, _PARAMS, example_value
-from torch_ext.backend.rewrite.writes import may_write_between
+from torch_ext.backend.rewrite.writes import writes_between
 
 log = logging.getLogger("torch_ext.backend")
 
@@ -74,7 +74,7 @@ def additive_attention_masks(gm: fx.GraphModule, is_splitting: Callable[[fx.Node
             continue
         dtype = example_value(node.args[0]).dtype
         additive = made.get((mask, dtype))
-        if additive is None or may_write_between(additive, node, example_value(mask)):  # it may have changed
+        if additive is None or writes_between(additive, node, example_value(mask)):  # it may have changed
             with gm.graph.inserting_before(node):
                 additive = made[(mask, dtype)] = _additive(gm.graph, mask, dtype, node.meta)
         if len(node.args) > _MASK_POSITION:

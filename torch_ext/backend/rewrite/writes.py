@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["is_barrier", "writes_between", "may_write_between"]
+__all__ = ["is_barrier", "writes_between"]
 
 _STATE_MODULES = ("torch.amp", "torch.autograd.grad_mode", "torch.autocast", "torch._C._autograd")
 _IN_PLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
@@ -48,34 +48,28 @@ def _mutates_by_name(name: str) -> bool:
     return name.endswith("_") and not name.endswith("__") or name in _IN_PLACE_DUNDERS
 
 
-def writes_between(first: fx.Node, last: fx.Node) -> bool:
-    """A node after first and before last (graph order; first precedes last) may write a tensor."""
+def writes_between(first: fx.Node, last: fx.Node, value: torch.Tensor | None = None) -> bool:
+    """A node after first and before last (graph order; first precedes last) may write a tensor; with
+    `value` (an example value), may write that one: a barrier handed a tensor sharing its storage (or a
+    node of unknown value), or one that may do anything (a module call, a HOP body). What writes a
+    tensor of a Dynamo graph is handed it: state comes in as inputs."""
+    storage = StorageWeakRef(value.untyped_storage()) if value is not None else None
     node = first.next
     while node is not last:
-        if node.op == "root" or is_barrier(node):
+        if node.op == "root" or (is_barrier(node) and (storage is None or _may_write(node, storage))):
             return True
         node = node.next
     return False
 
 
-def may_write_between(first: fx.Node, last: fx.Node, value: torch.Tensor) -> bool:
-    """A node after first and before last may write `value` (an example value): a barrier handed a
-    tensor that shares its storage (or a node of unknown value), or one that may do anything (a module
-    call, a HOP body). What writes a tensor of a Dynamo graph is handed it: state comes in as inputs."""
-    storage = StorageWeakRef(value.untyped_storage())
-    node = first.next
-    while node is not last:
-        if node.op == "root":
+def _may_write(barrier: fx.Node, storage: StorageWeakRef) -> bool:
+    if barrier.op == "call_module" or isinstance(barrier.target, torch._ops.HigherOrderOperator):
+        return True
+    for arg in tree_leaves((barrier.args, barrier.kwargs)):
+        if not isinstance(arg, fx.Node):
+            continue
+        seen = arg.meta.get("example_value", arg.meta.get("val"))
+        if seen is None or any(isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) == storage
+                               for t in tree_leaves(seen)):
             return True
-        if is_barrier(node):
-            if node.op == "call_module" or isinstance(node.target, torch._ops.HigherOrderOperator):
-                return True
-            for arg in tree_leaves((node.args, node.kwargs)):
-                if not isinstance(arg, fx.Node):
-                    continue
-                seen = arg.meta.get("example_value", arg.meta.get("val"))
-                if seen is None or any(isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) == storage
-                                       for t in tree_leaves(seen)):
-                    return True
-        node = node.next
     return False

@@ -257,8 +257,8 @@ class CudaGraphRunner:
         return [out] if self.single_output else list(out)
 
     def _run_padded(self, entry: Entry, n, args):
-        if self._expanded_as_compiled(args) is not None:
-            return self._not_expanded(self._expanded_as_compiled(args), args)
+        if (differs := self._expanded_as_compiled(args)) is not None:
+            return self._not_expanded(differs, args)
         back = self._fill(entry, n, args)
         out = self._outputs(self.runnable(*entry.static_args))
         for i, view in back:
@@ -293,8 +293,8 @@ class CudaGraphRunner:
     # -- capture ----------------------------------------------------------------------------------
 
     def _capture(self, entry: Entry, n, args):
-        if self._expanded_as_compiled(args) is not None:
-            return self._not_expanded(self._expanded_as_compiled(args), args)
+        if (differs := self._expanded_as_compiled(args)) is not None:
+            return self._not_expanded(differs, args)
         for i, spec in enumerate(self.inputs):
             if spec.kind != TENSOR:
                 continue
