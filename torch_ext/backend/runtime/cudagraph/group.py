@@ -64,8 +64,6 @@ class RunnerGroup:
         self.capture_call: dict[Any, int] = {}  # capture size -> the call that captures it
         self._bars: dict[Any, Any] = {}
         self._pins_rows: bool | None = None  # decided at the first call, once every runner is in
-        # A splitting op's result was once not where a graph reads it in place (runner._left_elsewhere).
-        self.copies_splitting_results = False
         # Weight sets: identical layers compiled one by one (regional compilation) share this group,
         # each passing its own parameters, which graphs read in place. The leader names the set of
         # each forward call by its parameters' addresses; every runner keeps graphs per set, so a
@@ -92,10 +90,6 @@ class RunnerGroup:
         if self._pins_rows is None:
             self._pins_rows = any(r.pins_rows and r.capturable for r in self.runners)
         return GraphKey(size, bool(self._pins_rows) and n != size, self.weights)
-
-    def exact(self, key: GraphKey) -> bool:
-        """Whether every call served under `key` is at exactly its capture size (never padded)."""
-        return key.size is None or (bool(self._pins_rows) and not key.padded)
 
     def choose_weights(self, tensors: list[torch.Tensor]) -> None:
         """The leader's parameters and buffers of this forward call (read in place) name its weight

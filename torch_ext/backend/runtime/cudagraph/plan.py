@@ -24,7 +24,6 @@ class Entry:
     graph: Any = None
     outputs: list | None = None  # static outputs (non-owning where nothing outside needs them)
     reused: dict[int, tuple[int, tuple]] = dataclasses.field(default_factory=dict)  # pos -> (ptr, stride)
-    in_place: dict[int, tuple[int, tuple]] = dataclasses.field(default_factory=dict)  # pos -> (ptr, stride)
     addresses: dict[int, int] = dataclasses.field(default_factory=dict)  # in-place inputs at capture
     captured_at: int | None = None  # the batch size of the capturing call
 
@@ -46,9 +45,6 @@ class Plan:
     pinned_ptrs: list = dataclasses.field(default_factory=list)  # their addresses by input position
     weights: int = 0  # the entry's weight set (a plan of another set than the group's is not replayed)
     expanded: list = dataclasses.field(default_factory=list)  # (pos, buffer's one row, dims): Spec.expanded
-    # (pos, ptr, stride): a splitting op's result read where the op left it (runner._capture); a call
-    # whose result lies elsewhere makes the group capture again with a copy.
-    in_place: list = dataclasses.field(default_factory=list)
 
 
 NO_GRAPH = Plan(None, None, [], [], [], [], [], None)  # type: ignore[arg-type]

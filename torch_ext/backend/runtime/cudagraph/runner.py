@@ -101,10 +101,6 @@ class CudaGraphRunner:
                                            self.name, reused[0])
                     return self._uncaptured(args)
                 reused[3] = a
-        for i, ptr, stride in plan.in_place:
-            a = args[i]
-            if a.data_ptr() != ptr or a.stride() != stride:
-                return self._left_elsewhere(plan.entry, i, args)
         moved = moved_input(plan, args)
         if moved is not None:
             return self._moved(plan.entry, *moved, args)
@@ -122,23 +118,6 @@ class CudaGraphRunner:
             args[i].copy_(src)
         cudagraph_stats.replays += 1
         return plan.result
-
-    def _left_elsewhere(self, entry: Entry, i: int, args):
-        """A splitting op's result, read in place by the graph, is not where it was at capture (the
-        allocator handed the op other memory: the caller allocates between steps in another order):
-        the group copies every splitting op's result from now on (one more capture, then what a copy
-        costs), and its graphs of this key are captured again (as for a moved cache, `_moved`)."""
-        self.group.copies_splitting_results = True
-        self.manager.note_once(("elsewhere", self.group.name), "torch_ext: %s: input %d '%s' (the result of %s) was "
-                               "read where the op left it at capture, and this call's lies elsewhere: the results of "
-                               "splitting ops are copied into static buffers from now on, and the graphs of this "
-                               "forward are captured again", self.name, i, self.inputs[i].name,
-                               self.made_by_splitting_op.get(i, "a splitting op"))
-        for runner in self.group.runners:
-            runner._retire(entry.key)
-        self.group.restart(entry.key)
-        cudagraph_stats.recaptures += 1
-        return self._slow(args, None)
 
     def _not_expanded(self, i: int, args):
         self.manager.note_once(("expanded", self.name, i), "torch_ext: %s runs without its CUDA graph for calls whose "
@@ -298,7 +277,6 @@ class CudaGraphRunner:
             if i in entry.copy_back:
                 copy_back.append((i, view))
         reused = [[i, ptr, stride, None] for i, (ptr, stride) in entry.reused.items()]
-        in_place = [(i, ptr, stride) for i, (ptr, stride) in entry.in_place.items()]
         # Parameters and buffers too: `load_state_dict(assign=True)` or `.data = t` moves them, and the
         # graph would read the old memory. A move captures again; cudagraph_check_addresses makes it an error.
         strict = self.manager.check_addresses
@@ -310,7 +288,7 @@ class CudaGraphRunner:
             checked += [(i, s.value) for i, s in enumerate(self.inputs) if s.kind == CONST]
         return Plan(entry, entry.graph, copies, copy_back, reused, pinned, checked, self._result(entry.outputs, n),
                      _replayer(entry.graph), *compat.address_check(pinned, len(self.inputs)), weights=entry.key.weights,
-                     expanded=expanded, in_place=in_place)
+                     expanded=expanded)
 
     # -- capture ----------------------------------------------------------------------------------
 
@@ -327,15 +305,6 @@ class CudaGraphRunner:
                     entry.reused[i] = (args[i].data_ptr(), args[i].stride())
                     buf = entry.buffers.pop(i)
                     cudagraph_stats.static_input_bytes -= buf.untyped_storage().nbytes()
-                elif self._reads_in_place(i, spec, entry):
-                    # A splitting op's result (eager, e.g. SDPA's output) at exactly the captured shape: the
-                    # allocator hands the op the same memory each step in a steady loop, so the graph reads
-                    # it there instead of a copy per replay; every replay checks the address first.
-                    entry.static_args[i] = non_owning(args[i])
-                    entry.in_place[i] = (args[i].data_ptr(), args[i].stride())
-                    buf = entry.buffers.pop(i)
-                    cudagraph_stats.static_input_bytes -= buf.untyped_storage().nbytes()
-                    cudagraph_stats.in_place_inputs += 1
             elif i not in entry.buffers:
                 entry.static_args[i] = args[i]
                 entry.addresses[i] = args[i].data_ptr()
@@ -376,13 +345,6 @@ class CudaGraphRunner:
         self.group.captured(entry.key)
         # Owned outputs for this call: the memory stays taken until the forward is done with it.
         return self._result(outs, n)
-
-    def _reads_in_place(self, i: int, spec: Spec, entry: Entry) -> bool:
-        """Whether the graph reads copied input i where the caller's tensor is: a splitting op's
-        result, not written by the region, not expanded, under a key whose calls are all at exactly
-        the capture size (a padded call's tensor has fewer rows than the graph reads)."""
-        return (i in self.made_by_splitting_op and not self.group.copies_splitting_results and not spec.written
-                and not spec.expanded and (self.exact_only or self.group.exact(entry.key)))
 
     def _moved(self, entry: Entry, i: int, ptr: int, args):
         """A tensor the graph reads in place is at another address than at capture (generate makes a

@@ -13,7 +13,6 @@ class CudaGraphStats:
     capture_seconds: float = 0.0  # wall time inside capture (warm-up runs not included)
     capture_bytes: int = 0  # growth of reserved device memory during captures: the pools
     static_input_bytes: int = 0  # static input buffers (outside the pools)
-    in_place_inputs: int = 0  # splitting-op results a graph reads where the op left them (no copy)
     sizes: set = dataclasses.field(default_factory=set)  # capture sizes with at least one graph
 
     def reset(self) -> None:
