@@ -14,7 +14,8 @@ Models (random weights, train mode):
 Columns: eager; inductor = torch.compile(model, fullgraph=True); ext = torch_ext backend without a
 splitting op; ext-split = split at attention (the training graph differentiated once: backend/joint.py);
 ext-split-pieces = split at attention, each piece differentiated on its own (differentiate_once=False,
-the path before). Rows: MiB the forward keeps for backward (torch_ext.testing.activation_bytes), peak
+the path before). Opt-in (name them in --columns; CUDA): inductor-ro = torch.compile(mode="reduce-overhead");
+ext-split-cg = ext-split with training_cudagraphs=True (each piece replayed by Inductor's CUDA-graph trees). Rows: MiB the forward keeps for backward (torch_ext.testing.activation_bytes), peak
 memory of a whole step above the weights (CUDA), median step time (forward + backward) from interleaved
 rounds, and on CUDA the host's ms per step (until the step's Python returns, no sync) beside the GPU's
 (events around the steps). --checkpoint off: the same models without activation checkpointing. Ratios
@@ -42,6 +43,7 @@ import torch  # noqa: E402
 from harness import model_arguments, print_table  # noqa: E402
 
 COLUMNS = ("eager", "inductor", "ext", "ext-split", "ext-split-pieces")
+OPT_IN = ("inductor-ro", "ext-split-cg")  # CUDA graphs: run only when named in --columns
 
 
 def build(name: str, args, checkpointing: bool = True):
@@ -73,8 +75,11 @@ def compiled(column: str, model, splitting_op: str):
         return model
     if column == "inductor":
         return torch.compile(model, fullgraph=True)
+    if column == "inductor-ro":
+        return torch.compile(model, fullgraph=True, mode="reduce-overhead")
     ops = (splitting_op,) if column.startswith("ext-split") else ()
-    config = CompileConfig(cache_dir=None, splitting_ops=ops, differentiate_once=column != "ext-split-pieces")
+    config = CompileConfig(cache_dir=None, splitting_ops=ops, differentiate_once=column != "ext-split-pieces",
+                           training_cudagraphs=column == "ext-split-cg")
     return torch.compile(model, backend=make_backend(config), fullgraph=True)
 
 

@@ -194,6 +194,10 @@ class CompileConfig:
     # its forward and backward graphs are split and run as straight-line code (backend/joint.py: Inductor's
     # step time and memory). False: each piece is differentiated on its own (the split-per-piece path).
     differentiate_once: bool = True
+    # Training graphs differentiated once: each compiled piece of the forward and backward graphs is
+    # replayed as a CUDA graph by Inductor's CUDA-graph trees (what mode="reduce-overhead" does for a whole
+    # graph; its rules: a step's outputs are overwritten by the next step's). Splitting ops run between them.
+    training_cudagraphs: bool = False
     # Inductor CustomGraphPass-style passes run post-grad through torch_ext.backend.passes.PassManager.
     post_grad_passes: tuple[Any, ...] = dataclasses.field(default=(), hash=False)
     # Run passes.UnfuseOutputAddmm before them: a residual sum that the split made a piece output
@@ -309,7 +313,7 @@ class CompileConfig:
         set_("debug_dump_dir", os.path.abspath(os.path.expanduser(dump)) if dump else None)
 
         for flag in ("dedup", "cudagraph_check_addresses", "guard_free_dispatch", "unfuse_output_addmm",
-                     "merge_projections", "decode_linear_fusion", "differentiate_once", "kernel_tuning",
+                     "merge_projections", "decode_linear_fusion", "differentiate_once", "training_cudagraphs", "kernel_tuning",
                      "background_compile", "additive_attention_masks"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(flag, f"expected True or False, got {getattr(self, flag)!r}", f"Write {flag}=True")
@@ -317,6 +321,9 @@ class CompileConfig:
             if getattr(self, flag) is not None and not isinstance(getattr(self, flag), bool):
                 _fail(flag, f"expected True, False or None, got {getattr(self, flag)!r}",
                       "None runs it where CUDA graphs replay its launches")
+        if self.training_cudagraphs and not self.differentiate_once:
+            _fail("training_cudagraphs", "needs differentiate_once=True: the split-per-piece training path has no "
+                  "CUDA graphs", "Drop differentiate_once=False, or training_cudagraphs=True")
         if self.warm_start is not None and not isinstance(self.warm_start, bool):
             _fail("warm_start", f"expected True, False or None, got {self.warm_start!r}",
                   "None turns it on where a cache_dir is set")
@@ -388,6 +395,7 @@ class CompileConfig:
                                  for k, v in sorted(self.inductor_options.items())},
             "hop_split": self.hop_split,
             "differentiate_once": self.differentiate_once,
+            "training_cudagraphs": self.training_cudagraphs,
             "merge_projections": self.merge_projections,
             "decode_attention": self.uses("decode_attention"),
             "decode_linear": self.uses("decode_linear"),

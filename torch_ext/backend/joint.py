@@ -84,20 +84,28 @@ class JointCompiler:
     def compile(self, gm: fx.GraphModule, example_inputs, label: str, dumper=None) -> "JointGraph":
         wanted = sum(1 for node in all_calls(gm) if self.matcher.match(node))
         splits: dict[str, fx.GraphModule] = {}
+        static_names: set[str] = set()  # the forward's parameters and buffers, by name (_static_names)
+        patches = self.patches(gm)
+        if self.config.training_cudagraphs:
+            # AOTAutograd then hands inner_compile Inductor's CUDA-graph arguments, as for mode="reduce-overhead".
+            patches = {**patches, "triton.cudagraphs": True}
+            devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+            if devices != {"cuda"}:
+                self._say_once(f"training_cudagraphs: {label} has inputs on {sorted(devices)}, not only CUDA: "
+                               "Inductor captures no CUDA graph for it")
 
         def inner_compile(graph: fx.GraphModule, inputs, **kwargs):
             is_backward = bool(kwargs.get("is_backward", False))
             kind = "backward" if is_backward else "inference" if kwargs.get("is_inference") else "forward"
             # The backward graph compiles at the first backward, outside the backend's call (with_stack_room).
             return with_stack_room(self._compile_graph, graph, inputs, kwargs, kind, f"{label} {kind}", wanted,
-                                   dumper, splits)
+                                   dumper, splits, static_names)
 
         for node in gm.graph.find_nodes(op="placeholder"):
             if not hasattr(node, "_dynamo_source"):  # a graph a warm start loaded: GraphPickler keeps meta only
                 node._dynamo_source = None  # AOTAutograd dedups inputs by source; None is "unknown"
         try:
-            compiled = compat.compile_joint(gm, example_inputs, inner_compile, self.patches(gm),
-                                            self.matcher.overloads())
+            compiled = compat.compile_joint(gm, example_inputs, inner_compile, patches, self.matcher.overloads())
         except compat.backend_fallback_exceptions() as e:  # Dynamo runs the frame eagerly, as under Inductor
             say_fallback_once(label, e)
             raise
@@ -113,7 +121,7 @@ class JointCompiler:
             any(self.matcher.match_target(a) for a in node.args if isinstance(a, torch._ops.OpOverload))
 
     def _compile_graph(self, graph: fx.GraphModule, inputs, kwargs: dict, kind: str, label: str, wanted: int,
-                       dumper, splits: dict) -> Callable:
+                       dumper, splits: dict, forward_static: set[str]) -> Callable:
         if not any(self.is_splitting(node) for node in all_calls(graph)):
             if wanted and kind != "backward":
                 self._say_once(f"AOTAutograd turned the splitting ops of {label} into ops torch_ext cannot "
@@ -125,6 +133,7 @@ class JointCompiler:
         split = split_graph(graph, self.is_splitting, "inline")
         splitting = [p for p in split.pieces if p.kind == "splitting"]
         is_backward, is_inference = kind == "backward", kind == "inference"
+        static_names = self._static_names(graph, kwargs, kind, forward_static)
         callables: dict[str, Callable] = {}
         compiled = {}
         compute = {p.name: p.graph_module for p in split.pieces
@@ -137,9 +146,10 @@ class JointCompiler:
             gm = piece.graph_module
             if piece.name in compute:
                 peeled = peels.get(piece.name)
+                target = peeled.remainder if peeled else gm
                 compiled[piece.name] = callables[piece.name] = self.pieces.compile(
-                    peeled.remainder if peeled else gm, is_backward=is_backward, is_inference=is_inference,
-                    label=f"{label} {piece.name}")
+                    target, is_backward=is_backward, is_inference=is_inference, label=f"{label} {piece.name}",
+                    cudagraphs=_cudagraph_arguments(target, kwargs, static_names))
                 if peeled:
                     compiled[piece.name] = callables[piece.name] = PeeledPiece(peeled, compiled[piece.name])
                 counters.pieces += 1
@@ -153,6 +163,18 @@ class JointCompiler:
         run = straight_line(split.split_gm.graph, callables, label)
         dump.trace_artifact(f"torch_ext_{kind}_runner", lambda: run.source)
         return run
+
+    @staticmethod
+    def _static_names(graph: fx.GraphModule, kwargs: dict, kind: str, forward_static: set[str]) -> set[str]:
+        """Names of the graph's inputs that keep their memory from call to call (parameters, buffers):
+        the forward's static inputs as AOTAutograd names them; the backward reads the same tensors
+        under the same names (AOTAutograd names a saved input after its forward placeholder)."""
+        if kind != "backward":
+            placeholders = list(graph.graph.find_nodes(op="placeholder"))
+            names = {placeholders[i].name for i in kwargs.get("static_input_idxs", ()) if i < len(placeholders)}
+            forward_static.update(names)
+            return names
+        return forward_static
 
     @staticmethod
     def _report_output_strides(split_gm: fx.GraphModule, compiled: dict) -> None:
@@ -176,6 +198,18 @@ class JointCompiler:
         if message not in self._said:
             self._said.add(message)
             log.warning("torch_ext: %s", message)
+
+
+def _cudagraph_arguments(piece: fx.GraphModule, kwargs: dict, static_names: set[str]) -> dict | None:
+    """compile_fx_inner's CUDA-graph arguments for a piece, where AOTAutograd asked for CUDA graphs:
+    its inputs that are the graph's static ones are static to Inductor's CUDA-graph trees (read in
+    place); the rest are copied in, but for outputs of an earlier piece, which the trees know as theirs."""
+    if not kwargs.get("cudagraphs"):
+        return None
+    placeholders = piece.graph.find_nodes(op="placeholder")
+    return {"cudagraphs": kwargs["cudagraphs"], "graph_id": kwargs.get("graph_id"),
+            "boxed_forward_device_index": kwargs.get("boxed_forward_device_index"),
+            "static_input_idxs": [i for i, node in enumerate(placeholders) if node.name in static_names]}
 
 
 class JointGraph(torch.nn.Module):

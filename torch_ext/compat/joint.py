@@ -28,14 +28,17 @@ def compile_joint(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inner
 
 
 def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, is_backward: bool,
-                       is_inference: bool) -> tuple[Callable[[list], Any], list | None]:
+                       is_inference: bool, cudagraphs: dict | None = None) -> tuple[Callable[[list], Any], list | None]:
     """Inductor's compile of one ATen graph inside an AOTAutograd compile (a piece of its forward or
     backward graph): the boxed callable, and the strides Inductor chose for its outputs (None where
-    no tracing context asks). Inside its own stride report, so the enclosing graph's stays ours."""
+    no tracing context asks). Inside its own stride report, so the enclosing graph's stays ours.
+    `cudagraphs`: compile_fx_inner's CUDA-graph arguments (cudagraphs, static_input_idxs,
+    boxed_forward_device_index, graph_id), as AOTAutograd hands them to Inductor's inner compile."""
     from torch._inductor.compile_fx import compile_fx_inner
 
     with torch._guards.TracingContext.report_output_strides() as strides:
-        compiled = compile_fx_inner(gm, list(example_inputs), is_backward=is_backward, is_inference=is_inference)
+        compiled = compile_fx_inner(gm, list(example_inputs), is_backward=is_backward, is_inference=is_inference,
+                                    **(cudagraphs or {}))
     return compiled, (list(strides) if strides is not None else None)
 
 

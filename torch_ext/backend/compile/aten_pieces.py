@@ -69,14 +69,18 @@ class AtenPieceCompiler:
         counters.compiles_by_variant["general"] += 1
         log.debug("compiled %s in %.2f s", label, elapsed)
 
-    def compile(self, gm: fx.GraphModule, *, is_backward: bool, is_inference: bool, label: str) -> CompiledAtenPiece:
+    def compile(self, gm: fx.GraphModule, *, is_backward: bool, is_inference: bool, label: str,
+                cudagraphs: dict | None = None) -> CompiledAtenPiece:
+        """`cudagraphs`: Inductor's CUDA-graph arguments for this piece (joint.py), None for none."""
         single = _as_tuple_output(gm)
-        key = f"{graph_fingerprint(gm)}|backward={is_backward}|inference={is_inference}"
+        static = tuple(cudagraphs["static_input_idxs"]) if cudagraphs else None
+        key = f"{graph_fingerprint(gm)}|backward={is_backward}|inference={is_inference}|cudagraphs={static}"
         if self.dedup and key in self._memo:
             return self._memo[key]
         example_inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
         start = time.perf_counter()
-        fn, strides = compat.compile_aten_graph(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
+        fn, strides = compat.compile_aten_graph(gm, example_inputs, is_backward=is_backward, is_inference=is_inference,
+                                                cudagraphs=cudagraphs)
         self._count(time.perf_counter() - start, label)
         piece = CompiledAtenPiece(fn, single, strides)
         if self.dedup:
