@@ -15,8 +15,11 @@ Columns: eager; inductor = torch.compile(model, fullgraph=True); ext = torch_ext
 splitting op; ext-split = split at attention (the training graph differentiated once: backend/joint.py);
 ext-split-pieces = split at attention, each piece differentiated on its own (differentiate_once=False,
 the path before). Opt-in (name them in --columns; CUDA): inductor-ro = torch.compile(mode="reduce-overhead");
-ext-split-cg = ext-split with training_cudagraphs=True (each piece replayed by Inductor's CUDA-graph trees). Rows: MiB the forward keeps for backward (torch_ext.testing.activation_bytes), peak
-memory of a whole step above the weights (CUDA), median step time (forward + backward) from interleaved
+ext-split-cg = ext-split with training_cudagraphs=True (each piece replayed by Inductor's CUDA-graph trees).
+Rows: MiB the forward keeps for backward (torch_ext.testing.activation_bytes; it does not see what a
+CUDA-graph pool holds), peak memory of a whole step above the weights (CUDA; from before the column's
+first call, so a CUDA-graph pool counts: one pool serves all graph columns of a process, so only the
+first graph column's figure is whole), median step time (forward + backward) from interleaved
 rounds, and on CUDA the host's ms per step (until the step's Python returns, no sync) beside the GPU's
 (events around the steps). --checkpoint off: the same models without activation checkpointing. Ratios
 are to inductor. In every round each column first runs --warmup untimed steps (the step after a switch
@@ -124,6 +127,10 @@ def main():
         saved, peak, errors = {}, {}, {}
         grads = {}
         for column in columns:  # compile, then measure memory once per column
+            model.zero_grad(set_to_none=True)
+            sync(args.device)
+            # Before the column's first call: a CUDA-graph pool (inductor-ro, ext-split-cg) counts as its memory.
+            before = torch.cuda.memory_allocated() if args.device == "cuda" else 0
             step(column)
             step(column)
             sync(args.device)
@@ -136,11 +143,10 @@ def main():
             model.zero_grad(set_to_none=True)
             if args.device == "cuda":
                 sync(args.device)
-                base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
                 step(column)
                 sync(args.device)
-                peak[column] = (torch.cuda.max_memory_allocated() - base) / 2**20
+                peak[column] = (torch.cuda.max_memory_allocated() - before) / 2**20
         for column in (columns if "eager" in grads else ()):
             num = sum(((a - b).norm() ** 2).item() for a, b in zip(grads[column], grads["eager"]))
             den = sum((b.norm() ** 2).item() for b in grads["eager"])
