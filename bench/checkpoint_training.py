@@ -134,7 +134,7 @@ def main():
             step(column)
             step(column)
             sync(args.device)
-            grads[column] = [p.grad.float().clone() for p in model.parameters() if p.grad is not None]
+            grads[column] = [p.grad.float().cpu() for p in model.parameters() if p.grad is not None]  # off the device: not in the peak
             model.zero_grad(set_to_none=True)
             out, nbytes = activation_bytes(lambda: loss_of(runs[column], batch))
             saved[column] = nbytes / 2**20
