@@ -16,10 +16,10 @@ splitting op; ext-split = split at attention (the training graph differentiated 
 ext-split-pieces = split at attention, each piece differentiated on its own (differentiate_once=False,
 the path before). Opt-in (name them in --columns; CUDA): inductor-ro = torch.compile(mode="reduce-overhead");
 ext-split-cg = ext-split with training_cudagraphs=True (each piece replayed by Inductor's CUDA-graph trees).
-Rows: MiB the forward keeps for backward (torch_ext.testing.activation_bytes; it does not see what a
-CUDA-graph pool holds), peak memory of a whole step above the weights (CUDA; from before the column's
-first call, so a CUDA-graph pool counts: one pool serves all graph columns of a process, so only the
-first graph column's figure is whole), median step time (forward + backward) from interleaved
+Rows: MiB the forward keeps for backward (torch_ext.testing.activation_bytes), peak memory of a whole
+step above the weights (CUDA; "-" for the CUDA-graph columns: a replay writes pool memory the
+allocator counts as free, so neither row sees it; one pool serves every graph column of a process),
+median step time (forward + backward) from interleaved
 rounds, and on CUDA the host's ms per step (until the step's Python returns, no sync) beside the GPU's
 (events around the steps). --checkpoint off: the same models without activation checkpointing. Ratios
 are to inductor. In every round each column first runs --warmup untimed steps (the step after a switch
@@ -177,17 +177,18 @@ def main():
                     gpu[column].append(begin.elapsed_time(end) / args.iters)
         step_ms = {c: statistics.median(v) for c, v in times.items()}
 
-        def row(label, values, fmt="{:.2f}"):
+        def row(label, values, fmt="{:.2f}", graphs_unseen=False):
             base = values.get("inductor")
-            return [label] + [f"{fmt.format(values[c])} ({values[c] / base:.2f}x)" if base else fmt.format(values[c])
+            return [label] + ["-" if graphs_unseen and c in OPT_IN else
+                              f"{fmt.format(values[c])} ({values[c] / base:.2f}x)" if base else fmt.format(values[c])
                               for c in columns]
 
         print(f"\n{name}, checkpointing {'on' if checkpointing else 'off'}: {args.layers} layers, hidden "
               f"{args.hidden}, batch {args.batch} x seq {args.seq}, {dtype}, {args.device}, torch {torch.__version__}; "
               "grad rel. err vs eager: " + ", ".join(f"{c} {errors[c]:.1e}" for c in columns if "eager" in errors))
-        rows = [row("saved for backward MiB", saved)]
+        rows = [row("saved for backward MiB", saved, graphs_unseen=True)]
         if peak:
-            rows.append(row("peak step memory MiB", peak))
+            rows.append(row("peak step memory MiB", peak, graphs_unseen=True))
         rows.append(row("step ms (median)", step_ms))
         if args.device == "cuda":
             rows.append(row("host ms per step", {c: statistics.median(v) for c, v in host.items()}))

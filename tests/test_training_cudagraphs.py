@@ -1,0 +1,53 @@
+"""CompileConfig.training_cudagraphs on the CPU (tests/test_training_cudagraphs_gpu.py replays the
+graphs): the option is checked, a CPU graph trains as without it and says once that nothing is
+captured, and the arguments handed to Inductor for a piece mark exactly the parameters static."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import checkpoint_models as cm
+from torch_ext import compat
+from torch_ext.backend import CompileConfig, make_backend
+
+
+def test_it_needs_the_training_graph_differentiated_once():
+    with pytest.raises(ValueError, match="training_cudagraphs.*differentiate_once"):
+        CompileConfig(training_cudagraphs=True, differentiate_once=False)
+
+
+def test_a_cpu_graph_trains_as_without_it_and_says_so_once(caplog, monkeypatch):
+    seen = []
+    original = compat.compile_aten_graph
+
+    def spy(gm, example_inputs, **kwargs):
+        seen.append(([(n.name, tuple(n.meta["val"].shape)) for n in gm.graph.find_nodes(op="placeholder")],
+                     kwargs.get("cudagraphs")))
+        return original(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(compat, "compile_aten_graph", spy)
+    torch._dynamo.reset()
+    model = cm.CheckpointedModel(layers=2, d=16, attention=cm.CUSTOM)
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 8, 16)
+    backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=[cm.CUSTOM], training_cudagraphs=True))
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with caplog.at_level("WARNING", logger="torch_ext.backend"):
+        for _ in range(2):
+            compiled(x).backward()
+    reference(x).backward()
+    reference(x).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    said = [r.getMessage() for r in caplog.records if "training_cudagraphs" in r.getMessage()]
+    assert len(said) == 1 and "['cpu']" in said[0]
+    # The first piece was handed the CUDA-graph arguments (Inductor turns them off for the rest on a
+    # CPU): static are the parameters, by their forward names, and nothing else.
+    placeholders, arguments = seen[0]
+    assert arguments is not None
+    static = {placeholders[i] for i in arguments["static_input_idxs"]}
+    # Forward inputs are named primals_*; x is the one of x's shape, every other a parameter.
+    params = {(name, shape) for name, shape in placeholders if name.startswith("primals_") and shape != tuple(x.shape)}
+    assert params and static == params
