@@ -51,3 +51,35 @@ def test_a_cpu_graph_trains_as_without_it_and_says_so_once(caplog, monkeypatch):
     # Forward inputs are named primals_*; x is the one of x's shape, every other a parameter.
     params = {(name, shape) for name, shape in placeholders if name.startswith("primals_") and shape != tuple(x.shape)}
     assert params and static == params
+
+
+def test_a_graph_drawing_random_numbers_in_its_pieces_runs_without_graphs(caplog, monkeypatch):
+    handed = []
+    original = compat.compile_aten_graph
+
+    def spy(gm, example_inputs, **kwargs):
+        handed.append(kwargs.get("cudagraphs"))
+        return original(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(compat, "compile_aten_graph", spy)
+    torch._dynamo.reset()
+    model = cm.CheckpointedModel(layers=2, d=16, attention=cm.CUSTOM, dropout=0.2)
+    backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=[cm.CUSTOM], training_cudagraphs=True))
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with caplog.at_level("WARNING", logger="torch_ext.backend"):
+        compiled(torch.randn(2, 8, 16)).backward()
+    assert handed and all(arguments is None for arguments in handed)
+    said = [r.getMessage() for r in caplog.records if "draws random numbers" in r.getMessage()]
+    assert len(said) == 1
+
+
+def test_attention_without_dropout_is_not_random():
+    from torch_ext.backend.joint import _draws_random
+
+    graph = torch.fx.Graph()
+    q = graph.placeholder("q")
+    calm = graph.call_function(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q, 0.0))
+    noisy = graph.call_function(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q, 0.1))
+    drop = graph.call_function(torch.ops.aten.native_dropout.default, (q, 0.5, True))
+    plain = graph.call_function(torch.ops.aten.mm.default, (q, q))
+    assert [_draws_random(n) for n in (calm, noisy, drop, plain)] == [False, True, True, False]
