@@ -83,3 +83,15 @@ def test_attention_without_dropout_is_not_random():
     drop = graph.call_function(torch.ops.aten.native_dropout.default, (q, 0.5, True))
     plain = graph.call_function(torch.ops.aten.mm.default, (q, q))
     assert [_draws_random(n) for n in (calm, noisy, drop, plain)] == [False, True, True, False]
+
+
+def test_cudagraph_mode_without_it_says_that_training_graphs_run_without_graphs(caplog):
+    torch._dynamo.reset()
+    model = cm.CheckpointedModel(layers=1, d=16, attention=cm.CUSTOM)
+    backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=[cm.CUSTOM], cudagraph_mode="piecewise"))
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with caplog.at_level("WARNING", logger="torch_ext.backend"):
+        compiled(torch.randn(2, 8, 16)).backward()
+        compiled(torch.randn(2, 8, 16)).backward()
+    said = [r.getMessage() for r in caplog.records if "applies to inference graphs" in r.getMessage()]
+    assert len(said) == 1 and "training_cudagraphs=True" in said[0]

@@ -48,6 +48,12 @@ class UnusedConfigReporter:
             self._said.add("training/sizes")
             log.warning("torch_ext: %s apply to inference graphs; training graph %d is compiled once for every "
                         "size, as Inductor compiles it (CompileConfig.differentiate_once).", " and ".join(sized), index)
+        if self.config.cudagraph_mode != "none" and not self.config.training_cudagraphs \
+                and "training/cudagraphs" not in self._said:
+            self._said.add("training/cudagraphs")
+            log.warning("torch_ext: cudagraph_mode=%r applies to inference graphs; training graph %d runs without "
+                        "CUDA graphs (CompileConfig.training_cudagraphs=True replays its pieces with Inductor's "
+                        "CUDA-graph trees).", self.config.cudagraph_mode, index)
 
     def _splitting_ops(self, gm: fx.GraphModule, index: int, runs: torch.nn.Module) -> None:
         unmatched = unmatched_splitting_ops(gm, self.matcher)
