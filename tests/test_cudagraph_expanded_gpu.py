@@ -9,30 +9,9 @@ import torch
 
 from torch_ext.backend import CompileConfig, make_backend
 from torch_ext.backend.runtime.cudagraph.manager import cudagraph_stats
-from torch_ext.hops.splitting_op import splitting_op
+from test_cudagraph_expanded import OP, made_inside, passed_in  # the same models, real graphs here
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-OP = "torch_ext_expanded_gpu::attn"
-
-
-@splitting_op(OP, fake=lambda x: torch.empty_like(x))
-def attn(x: torch.Tensor) -> torch.Tensor:
-    return x.tanh()
-
-
-def made_inside(x, w):
-    mask = (w.sum(0, keepdim=True) > 0).expand(x.shape[0], -1)  # an earlier piece's output, stride 0
-    h = x
-    for _ in range(3):
-        h = torch.ops.torch_ext_expanded_gpu.attn(h)
-        h = torch.where(mask, h * 2, h)
-    return h
-
-
-def passed_in(x, mask):
-    h = torch.ops.torch_ext_expanded_gpu.attn(x)
-    return torch.where(mask, h * 2, h) + mask.sum(-1, keepdim=True)
 
 
 def compiled(fn, sizes, dynamic):
