@@ -19,8 +19,9 @@ ext-split-cg = ext-split with training_cudagraphs=True (each piece replayed by I
 Rows: MiB the forward keeps for backward (torch_ext.testing.activation_bytes), peak memory of a whole
 step above the weights (CUDA; "-" for the CUDA-graph columns: a replay writes pool memory the
 allocator counts as free, so neither row sees it; one pool serves every graph column of a process),
-median step time (forward + backward) from interleaved
-rounds, and on CUDA the host's ms per step (until the step's Python returns, no sync) beside the GPU's
+with --reserved each column's peak reserved memory over 4 steps in a process of its own, above
+what the loaded model held (graph pools counted whole, allocator rounding included), median step time
+(forward + backward) from interleaved rounds, and on CUDA the host's ms per step (until the step's Python returns, no sync) beside the GPU's
 (events around the steps). --checkpoint off: the same models without activation checkpointing. Ratios
 are to inductor. In every round each column first runs --warmup untimed steps (the step after a switch
 pays for the other column's allocations), and Python's garbage collector runs before each timed block
@@ -91,6 +92,45 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def reserved_peak(args, dtype, name: str, checkpointing: bool, column: str) -> float:
+    """MiB the caching allocator reserves at its peak over a few steps of `column`, above what it held
+    with the model loaded, in this process: a CUDA-graph pool counts whole (--reserved runs each
+    column in a process of its own)."""
+    model, batch, op, loss_of = build(name, args, checkpointing)
+    model = model.to("cuda", dtype).train()
+    batch = batch.to("cuda", dtype) if batch.is_floating_point() else batch.to("cuda")
+    run = compiled(column, model, op)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        loss_of(run, batch).backward()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_reserved() - base) / 2**20
+
+
+def reserved_row(args, name: str, checkpointing: bool, columns) -> dict:
+    """reserved_peak of each column, each in a fresh process (one pool, one allocator per column)."""
+    import json
+    import subprocess
+
+    out = {}
+    for column in columns:
+        if column == "eager":
+            continue
+        argv = [sys.executable, os.path.abspath(__file__), "--device", "cuda", "--models", name,
+                "--checkpoint", "on" if checkpointing else "off", "--reserved-of", column]
+        for flag in ("layers", "hidden", "heads", "vocab", "batch", "seq"):
+            argv += [f"--{flag}", str(getattr(args, flag))]
+        if args.dtype:
+            argv += ["--dtype", args.dtype]
+        done = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
+        lines = done.stdout.strip().splitlines()
+        out[column] = json.loads(lines[-1]) if done.returncode == 0 and lines else float("nan")
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
@@ -103,11 +143,19 @@ def main():
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--checkpoint", default="on", choices=("on", "off", "both"))
     p.add_argument("--columns", default=",".join(COLUMNS))
+    p.add_argument("--reserved", action="store_true",
+                   help="CUDA: also each column's peak reserved memory, a fresh process per column")
+    p.add_argument("--reserved-of", default=None, help=argparse.SUPPRESS)  # the child of --reserved
     args = p.parse_args()
     if args.smoke:
         args.layers, args.hidden, args.vocab, args.batch, args.seq, args.rounds, args.iters = 2, 64, 128, 2, 16, 1, 1
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device == "cuda" else torch.float32)
     from torch_ext.testing import activation_bytes
+
+    if args.reserved_of:
+        name, checkpointing = args.models, args.checkpoint == "on"
+        print(reserved_peak(args, dtype, name, checkpointing, args.reserved_of))
+        return
 
     columns = tuple(args.columns.split(","))
     cases = [(n, c) for n in args.models.split(",") for c in {"on": (True,), "off": (False,), "both": (True, False)}[args.checkpoint]]
@@ -176,6 +224,7 @@ def main():
                 if args.device == "cuda":
                     gpu[column].append(begin.elapsed_time(end) / args.iters)
         step_ms = {c: statistics.median(v) for c, v in times.items()}
+        reserved = reserved_row(args, name, checkpointing, columns) if args.reserved and args.device == "cuda" else {}
 
         def row(label, values, fmt="{:.2f}", graphs_unseen=False):
             base = values.get("inductor")
@@ -189,6 +238,8 @@ def main():
         rows = [row("saved for backward MiB", saved, graphs_unseen=True)]
         if peak:
             rows.append(row("peak step memory MiB", peak, graphs_unseen=True))
+        if reserved:
+            rows.append(row("peak reserved MiB, own process", {c: reserved.get(c, float("nan")) for c in columns}))
         rows.append(row("step ms (median)", step_ms))
         if args.device == "cuda":
             rows.append(row("host ms per step", {c: statistics.median(v) for c, v in host.items()}))
