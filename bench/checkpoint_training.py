@@ -18,14 +18,15 @@ the path before). Opt-in (name them in --columns; CUDA): inductor-ro = torch.com
 ext-split-cg = ext-split with training_cudagraphs=True (each piece replayed by Inductor's CUDA-graph trees).
 Rows: MiB the forward keeps for backward (torch_ext.testing.activation_bytes), peak memory of a whole
 step above the weights (CUDA; "-" for the CUDA-graph columns: a replay writes pool memory the
-allocator counts as free, so neither row sees it; one pool serves every graph column of a process),
-with --reserved each column's peak reserved memory over 4 steps in a process of its own, above
-what the loaded model held (graph pools counted whole, allocator rounding included), median step time
-(forward + backward) from interleaved rounds, and on CUDA the host's ms per step (until the step's Python returns, no sync) beside the GPU's
-(events around the steps). --checkpoint off: the same models without activation checkpointing. Ratios
-are to inductor. In every round each column first runs --warmup untimed steps (the step after a switch
-pays for the other column's allocations), and Python's garbage collector runs before each timed block
-and is off during it (a collection would land in one column's block: a host-bound step is mostly Python).
+allocator counts as free, so neither row sees it; one pool serves every graph column of a process);
+with --reserved, each column's peak reserved memory over 4 steps in a process of its own, above what
+the loaded model held (graph pools counted whole, allocator rounding included); median step time
+(forward + backward) from interleaved rounds, and on CUDA the host's ms per step (until the step's
+Python returns, no sync) beside the GPU's (events around the steps). --checkpoint off: the same models
+without activation checkpointing. Ratios are to inductor. In every round each column first runs
+--warmup untimed steps (the step after a switch pays for the other column's allocations), and Python's
+garbage collector runs before each timed block and is off during it (a collection would land in one
+column's block: a host-bound step is mostly Python).
 
     python bench/checkpoint_training.py --layers 4 --hidden 64 --batch 2 --seq 32   # CPU host cost
 """
@@ -224,7 +225,8 @@ def main():
                 if args.device == "cuda":
                     gpu[column].append(begin.elapsed_time(end) / args.iters)
         step_ms = {c: statistics.median(v) for c, v in times.items()}
-        reserved = reserved_row(args, name, checkpointing, columns) if args.reserved and args.device == "cuda" else {}
+        use_reserved = args.reserved and args.device == "cuda"
+        reserved = reserved_row(args, name, checkpointing, columns) if use_reserved else {}
 
         def row(label, values, fmt="{:.2f}", graphs_unseen=False):
             base = values.get("inductor")

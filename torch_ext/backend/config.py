@@ -313,8 +313,8 @@ class CompileConfig:
         set_("debug_dump_dir", os.path.abspath(os.path.expanduser(dump)) if dump else None)
 
         for flag in ("dedup", "cudagraph_check_addresses", "guard_free_dispatch", "unfuse_output_addmm",
-                     "merge_projections", "decode_linear_fusion", "differentiate_once", "training_cudagraphs", "kernel_tuning",
-                     "background_compile", "additive_attention_masks"):
+                     "merge_projections", "decode_linear_fusion", "differentiate_once", "training_cudagraphs",
+                     "kernel_tuning", "background_compile", "additive_attention_masks"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(flag, f"expected True or False, got {getattr(self, flag)!r}", f"Write {flag}=True")
         for flag in ("decode_attention", "decode_linear"):
