@@ -176,10 +176,6 @@ def main():
         saved, peak, errors = {}, {}, {}
         grads = {}
         for column in columns:  # compile, then measure memory once per column
-            model.zero_grad(set_to_none=True)
-            sync(args.device)
-            # Before the column's first call: a CUDA-graph pool (inductor-ro, ext-split-cg) counts as its memory.
-            before = torch.cuda.memory_allocated() if args.device == "cuda" else 0
             step(column)
             step(column)
             sync(args.device)
@@ -192,10 +188,11 @@ def main():
             model.zero_grad(set_to_none=True)
             if args.device == "cuda":
                 sync(args.device)
+                base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
                 step(column)
                 sync(args.device)
-                peak[column] = (torch.cuda.max_memory_allocated() - before) / 2**20
+                peak[column] = (torch.cuda.max_memory_allocated() - base) / 2**20
         for column in (columns if "eager" in grads else ()):
             num = sum(((a - b).norm() ** 2).item() for a, b in zip(grads[column], grads["eager"]))
             den = sum((b.norm() ** 2).item() for b in grads["eager"])
