@@ -53,7 +53,10 @@ def test_a_cpu_graph_trains_as_without_it_and_says_so_once(caplog, monkeypatch):
     assert params and static == params
 
 
-def test_a_graph_drawing_random_numbers_in_its_pieces_runs_without_graphs(caplog, monkeypatch):
+def test_a_graph_drawing_random_numbers_in_its_pieces_keeps_its_graphs(caplog, monkeypatch):
+    """Dropout inside the pieces: each piece is still handed the CUDA-graph arguments (the masks drawn
+    in replays, and the checkpoint's recompute of them, are checked on a GPU in
+    test_training_cudagraphs_gpu.py), and nothing is said beyond the CPU note."""
     handed = []
     original = compat.compile_aten_graph
 
@@ -68,21 +71,9 @@ def test_a_graph_drawing_random_numbers_in_its_pieces_runs_without_graphs(caplog
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     with caplog.at_level("WARNING", logger="torch_ext.backend"):
         compiled(torch.randn(2, 8, 16)).backward()
-    assert handed and all(arguments is None for arguments in handed)
-    said = [r.getMessage() for r in caplog.records if "draws random numbers" in r.getMessage()]
-    assert len(said) == 1
-
-
-def test_attention_without_dropout_is_not_random():
-    from torch_ext.backend.joint import _draws_random
-
-    graph = torch.fx.Graph()
-    q = graph.placeholder("q")
-    calm = graph.call_function(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q, 0.0))
-    noisy = graph.call_function(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q, 0.1))
-    drop = graph.call_function(torch.ops.aten.native_dropout.default, (q, 0.5, True))
-    plain = graph.call_function(torch.ops.aten.mm.default, (q, q))
-    assert [_draws_random(n) for n in (calm, noisy, drop, plain)] == [False, True, True, False]
+    assert handed and handed[0] is not None  # Inductor turns the box off on a CPU, after the first piece
+    said = [r.getMessage() for r in caplog.records if "training_cudagraphs" in r.getMessage()]
+    assert len(said) == 1 and "['cpu']" in said[0]
 
 
 def test_cudagraph_mode_without_it_says_that_training_graphs_run_without_graphs(caplog):

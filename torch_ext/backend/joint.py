@@ -129,13 +129,6 @@ class JointCompiler:
             # Nothing to split at: Inductor's own compile of the graph, exactly as plain Inductor's.
             splits[kind] = graph
             return self.pieces.compile_whole(graph, inputs, kwargs, label)
-        if kwargs.get("cudagraphs") and kind != "backward" and any(
-                _draws_random(n) for n in all_calls(graph) if not self.is_splitting(n)):
-            # Not yet verified on a GPU: RNG drawn inside captured pieces, with eager RNG-state HOPs
-            # between them. The box is AOTAutograd's for this graph: its backward compiles without too.
-            compat.disable_cudagraphs(kwargs["cudagraphs"])
-            self._say_once(f"training_cudagraphs: {label} draws random numbers inside its compiled pieces "
-                           "(dropout?): it runs without CUDA graphs, as without the option")
         hoist_shared_values(graph, self.is_splitting)  # so that no layer's piece computes them for the rest
         split = split_graph(graph, self.is_splitting, "inline")
         splitting = [p for p in split.pieces if p.kind == "splitting"]
@@ -205,19 +198,6 @@ class JointCompiler:
         if message not in self._said:
             self._said.add(message)
             log.warning("torch_ext: %s", message)
-
-
-def _draws_random(node: fx.Node) -> bool:
-    """Whether a call draws random numbers: a seeded op (torch's nondeterministic_seeded tag) other
-    than an attention op whose dropout_p is 0."""
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
-        return getattr(target, "__name__", None) in _RNG_STATE_HOPS
-    for i, arg in enumerate(target._schema.arguments):
-        if arg.name == "dropout_p":
-            value = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else arg.default_value)
-            return value != 0
-    return True
 
 
 def _cudagraph_arguments(piece: fx.GraphModule, kwargs: dict, static_names: set[str]) -> dict | None:

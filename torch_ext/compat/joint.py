@@ -78,11 +78,3 @@ def has_autograd_formula(op: Any) -> bool:
         return OPDEFS[qualname]._backward_fn is not None
     return any(torch._C._dispatch_has_kernel_for_dispatch_key(o.name(), key) for o in op_overloads(packet)
                for key in ("Autograd", "AutogradCPU", "AutogradCUDA", "CompositeImplicitAutograd"))
-
-
-def disable_cudagraphs(box: Any) -> None:
-    """Turn off the CUDA-graph box AOTAutograd hands Inductor's inner compile (`BoxedBool.disable`,
-    2.9.1-2.15): the graph's forward and backward then compile without CUDA graphs."""
-    from torch._inductor.utils import BoxedBool
-
-    BoxedBool.disable(box)
