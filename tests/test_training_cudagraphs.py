@@ -86,3 +86,20 @@ def test_cudagraph_mode_without_it_says_that_training_graphs_run_without_graphs(
         compiled(torch.randn(2, 8, 16)).backward()
     said = [r.getMessage() for r in caplog.records if "applies to inference graphs" in r.getMessage()]
     assert len(said) == 1 and "training_cudagraphs=True" in said[0]
+
+
+def test_a_graphed_backward_hands_autograd_gradients_of_their_own():
+    """The gradients leave the CUDA-graph pool (a copy each), so AccumulateGrad can keep them across
+    micro-batches; where Inductor turned the graphs off they are handed on as they are."""
+    from torch._inductor.utils import BoxedBool
+
+    from torch_ext.backend.joint import GradientsOutOfThePool
+
+    grads = [torch.ones(3), None, torch.zeros(2, 2).t()]
+    graphed = GradientsOutOfThePool(lambda args: tuple(grads), BoxedBool(True))
+    out = graphed([])
+    assert isinstance(out, tuple) and out[1] is None and graphed._boxed_call
+    for a, b in ((out[0], grads[0]), (out[2], grads[2])):
+        assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+        assert torch.equal(a, b) and a.stride() == b.stride()
+    assert GradientsOutOfThePool(lambda args: grads, BoxedBool(False))([]) is grads

@@ -177,3 +177,24 @@ def test_a_new_process_loads_the_graphed_training_pieces_and_trains_the_same(tmp
     assert cold["fx_misses"] >= 2 and warm["fx_misses"] == 0 and warm["fx_hits"] >= 2
     assert warm["graphed"] == cold["graphed"] >= 3 and warm["skips"] == cold["skips"] == 0
     assert warm["losses"] == pytest.approx(cold["losses"], rel=1e-6)
+
+
+@pytest.mark.parametrize("attention", [cm.SDPA, cm.CUSTOM])
+def test_gradient_accumulation_over_micro_batches_equals_eager(attention):
+    """Two micro-batches per step, gradients accumulated in .grad between replays of the same backward
+    pieces. Under reduce-overhead (and here before the gradients were copied out of the pool) the second
+    backward raised the trees' "overwritten by a subsequent run" error."""
+    torch._dynamo.reset()
+    model = cm.CheckpointedModel(layers=2, d=32, attention=attention).cuda()
+    reference = copy.deepcopy(model)
+    xs = [torch.randn(2, 16, 32, device="cuda") for _ in range(2)]
+    backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=[attention], training_cudagraphs=True))
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        for x in xs:
+            compiled(x).backward()
+            reference(x).backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"step {step}: {m}")

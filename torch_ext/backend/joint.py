@@ -98,8 +98,11 @@ class JointCompiler:
             is_backward = bool(kwargs.get("is_backward", False))
             kind = "backward" if is_backward else "inference" if kwargs.get("is_inference") else "forward"
             # The backward graph compiles at the first backward, outside the backend's call (with_stack_room).
-            return with_stack_room(self._compile_graph, graph, inputs, kwargs, kind, f"{label} {kind}", wanted,
-                                   dumper, splits, static_names)
+            compiled = with_stack_room(self._compile_graph, graph, inputs, kwargs, kind, f"{label} {kind}", wanted,
+                                       dumper, splits, static_names)
+            if is_backward and kwargs.get("cudagraphs") is not None:
+                return GradientsOutOfThePool(compiled, kwargs["cudagraphs"])
+            return compiled
 
         for node in gm.graph.find_nodes(op="placeholder"):
             if not hasattr(node, "_dynamo_source"):  # a graph a warm start loaded: GraphPickler keeps meta only
@@ -210,6 +213,30 @@ def _cudagraph_arguments(piece: fx.GraphModule, kwargs: dict, static_names: set[
     return {"cudagraphs": kwargs["cudagraphs"], "graph_id": kwargs.get("graph_id"),
             "boxed_forward_device_index": kwargs.get("boxed_forward_device_index"),
             "static_input_idxs": [i for i, node in enumerate(placeholders) if node.name in static_names]}
+
+
+class GradientsOutOfThePool:
+    """A backward graph replayed under CUDA-graph trees, its gradients copied into memory of their own.
+
+    AccumulateGrad keeps a gradient it is handed as `.grad`. Left in the trees' pool, the next
+    micro-batch's forward starts a new generation, and the trees then refuse the `.grad +=` of its
+    backward ("accessing tensor output of CUDAGraphs that has been overwritten"), as under
+    reduce-overhead: gradient accumulation would not run. One copy per gradient per step, as plain
+    Inductor's gradients cost nothing extra but their own allocation. Off where Inductor turned the
+    graphs off (`box`: a CPU graph)."""
+
+    def __init__(self, run: Callable, box: Any):
+        self.run = run
+        self.box = box
+        # AOTAutograd hands a list it may clear. In the instance's dict: the disable wrapper AOTAutograd
+        # puts around a backward copies the wrapped object's __dict__, not its class attributes.
+        self._boxed_call = True
+
+    def __call__(self, args: list) -> Any:
+        outs = self.run(args)
+        if not self.box:
+            return outs
+        return type(outs)(t.clone() if isinstance(t, torch.Tensor) else t for t in outs)
 
 
 class JointGraph(torch.nn.Module):
