@@ -100,7 +100,7 @@ class JointCompiler:
             # The backward graph compiles at the first backward, outside the backend's call (with_stack_room).
             compiled = with_stack_room(self._compile_graph, graph, inputs, kwargs, kind, f"{label} {kind}", wanted,
                                        dumper, splits, static_names)
-            if is_backward and kwargs.get("cudagraphs") is not None:
+            if is_backward and kwargs.get("cudagraphs"):  # still on once the pieces compiled: graphs replay
                 return GradientsOutOfThePool(compiled, kwargs["cudagraphs"])
             return compiled
 
@@ -221,9 +221,8 @@ class GradientsOutOfThePool:
     AccumulateGrad keeps a gradient it is handed as `.grad`. Left in the trees' pool, the next
     micro-batch's forward starts a new generation, and the trees then refuse the `.grad +=` of its
     backward ("accessing tensor output of CUDAGraphs that has been overwritten"), as under
-    reduce-overhead: gradient accumulation would not run. One copy per gradient per step, as plain
-    Inductor's gradients cost nothing extra but their own allocation. Off where Inductor turned the
-    graphs off (`box`: a CPU graph)."""
+    reduce-overhead: gradient accumulation would not run. The cost is one copy per gradient per step.
+    Off where Inductor has turned the graphs off (`box`)."""
 
     def __init__(self, run: Callable, box: Any):
         self.run = run
