@@ -88,18 +88,50 @@ def test_cudagraph_mode_without_it_says_that_training_graphs_run_without_graphs(
     assert len(said) == 1 and "training_cudagraphs=True" in said[0]
 
 
-def test_a_graphed_backward_hands_autograd_gradients_of_their_own():
-    """The gradients leave the CUDA-graph pool (a copy each), so AccumulateGrad can keep them across
-    micro-batches; where Inductor turned the graphs off they are handed on as they are."""
+def test_gradients_left_in_the_pool_are_moved_out_before_the_next_forward_only():
+    """A .grad that still holds a graphed backward's output at the next forward (accumulation over
+    micro-batches) is replaced by a copy; other gradients, and later forwards, copy nothing."""
+    from torch_ext.backend.counters import counters
+    from torch_ext.backend.runtime.pool_gradients import PoolGradients
+
+    pool = PoolGradients()
+    kept, cleared, own = (torch.nn.Parameter(torch.randn(2, 3)) for _ in range(3))
+    frozen = torch.randn(4)
+    pool.note_leaves([kept, 1, cleared, frozen, own, kept * 2])
+    backward_outputs = [torch.randn(3, 2).t(), None, torch.randn(2, 3)]
+    kept.grad, cleared.grad, own.grad = backward_outputs[0], None, torch.randn(2, 3)
+    own_grad = own.grad
+    pool.after_backward(backward_outputs)
+    counters.reset()
+    pool.before_forward()
+    assert counters.pool_gradients_moved == 1 and own.grad is own_grad and cleared.grad is None
+    moved = kept.grad
+    assert moved.untyped_storage().data_ptr() != backward_outputs[0].untyped_storage().data_ptr()
+    assert torch.equal(moved, backward_outputs[0]) and moved.stride() == backward_outputs[0].stride()
+    pool.before_forward()  # nothing new from a backward: nothing to move
+    assert kept.grad is moved and counters.pool_gradients_moved == 1
+
+
+def test_a_leaf_that_dies_is_forgotten():
+    from torch_ext.backend.runtime.pool_gradients import PoolGradients
+
+    pool = PoolGradients()
+    leaf = torch.nn.Parameter(torch.randn(2))
+    pool.note_leaves([leaf])
+    pool.note_leaves([leaf])
+    assert len(pool._leaves) == 1
+    del leaf
+    assert not pool._leaves
+
+
+def test_a_graphed_backward_notes_its_outputs_only_while_the_graphs_are_on(monkeypatch):
     from torch._inductor.utils import BoxedBool
 
-    from torch_ext.backend.joint import GradientsOutOfThePool
+    from torch_ext.backend.runtime import pool_gradients
 
-    grads = [torch.ones(3), None, torch.zeros(2, 2).t()]
-    graphed = GradientsOutOfThePool(lambda args: tuple(grads), BoxedBool(True))
-    out = graphed([])
-    assert isinstance(out, tuple) and out[1] is None and graphed._boxed_call
-    for a, b in ((out[0], grads[0]), (out[2], grads[2])):
-        assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-        assert torch.equal(a, b) and a.stride() == b.stride()
-    assert GradientsOutOfThePool(lambda args: grads, BoxedBool(False))([]) is grads
+    noted = []
+    monkeypatch.setattr(pool_gradients.POOL_GRADIENTS, "after_backward", noted.append)
+    grads = (torch.ones(3), None)
+    graphed = pool_gradients.GraphedBackward(lambda args: grads, BoxedBool(True))
+    assert graphed([]) is grads and noted == [grads] and graphed._boxed_call
+    assert pool_gradients.GraphedBackward(lambda args: grads, BoxedBool(False))([]) is grads and len(noted) == 1

@@ -36,8 +36,11 @@ def test_split_training_with_cudagraph_trees_matches_eager(attention, checkpoint
     from torch._dynamo.utils import counters
     from torch._inductor import cudagraph_trees
 
+    from torch_ext.backend.counters import counters as ext_counters
+
     torch._dynamo.reset()
     counters.clear()
+    ext_counters.reset()
     model = cm.CheckpointedModel(layers=3, d=32, attention=attention, checkpointing=checkpointing).cuda()
     reference = copy.deepcopy(model)
     x = torch.randn(2, 16, 32, device="cuda")
@@ -53,6 +56,7 @@ def test_split_training_with_cudagraph_trees_matches_eager(attention, checkpoint
     manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
     assert manager is not None and manager.roots, "no piece was recorded as a CUDA graph"
     assert counters["inductor"]["cudagraph_skips"] == 0
+    assert ext_counters.pool_gradients_moved == 0  # zero_grad() freed them: the gradients were never copied
     recorded = len(list(manager.ids_to_funcs))
     assert recorded >= 3  # forward and backward pieces (distinct compiles; layers share theirs)
     print(f"{attention} checkpointing={checkpointing}: {recorded} functions under CUDA-graph trees, "
@@ -179,22 +183,30 @@ def test_a_new_process_loads_the_graphed_training_pieces_and_trains_the_same(tmp
     assert warm["losses"] == pytest.approx(cold["losses"], rel=1e-6)
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("attention", [cm.SDPA, cm.CUSTOM])
-def test_gradient_accumulation_over_micro_batches_equals_eager(attention):
+def test_gradient_accumulation_over_micro_batches_equals_eager(attention, set_to_none):
     """Two micro-batches per step, gradients accumulated in .grad between replays of the same backward
-    pieces. Under reduce-overhead (and here before the gradients were copied out of the pool) the second
-    backward raised the trees' "overwritten by a subsequent run" error."""
+    pieces. Under reduce-overhead (and here before gradients were moved out of the pool) the second
+    backward raised the trees' "overwritten by a subsequent run" error. Only the .grad tensors still
+    in the pool at the next forward are copied: once per step after zero_grad(), once in all with
+    zero_grad(set_to_none=False) (then .grad has memory of its own and is added to in place)."""
+    from torch_ext.backend.counters import counters
+
     torch._dynamo.reset()
+    counters.reset()
     model = cm.CheckpointedModel(layers=2, d=32, attention=attention).cuda()
     reference = copy.deepcopy(model)
     xs = [torch.randn(2, 16, 32, device="cuda") for _ in range(2)]
     backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=[attention], training_cudagraphs=True))
     compiled = torch.compile(model, backend=backend, fullgraph=True)
-    for step in range(3):
-        model.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
+    steps, trained = 3, [p for p in model.parameters() if p.requires_grad]
+    for step in range(steps):
+        model.zero_grad(set_to_none=set_to_none)
+        reference.zero_grad(set_to_none=set_to_none)
         for x in xs:
             compiled(x).backward()
             reference(x).backward()
         for p, q in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+    assert counters.pool_gradients_moved == len(trained) * (steps if set_to_none else 1)

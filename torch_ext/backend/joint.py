@@ -36,6 +36,7 @@ from torch_ext.backend.compile.siblings import PeeledPiece, peel_prologues, shar
 from torch_ext.backend.compile.stack_room import with_stack_room
 from torch_ext.backend.config import CompileConfig, resolve_op
 from torch_ext.backend.counters import counters
+from torch_ext.backend.runtime.pool_gradients import POOL_GRADIENTS, GraphedBackward
 from torch_ext.backend.runtime.straight_line import straight_line
 from torch_ext.backend.split.hoist import hoist_shared_values
 from torch_ext.backend.split.matcher import ATEN_FORMS, SplittingOpMatcher
@@ -101,7 +102,7 @@ class JointCompiler:
             compiled = with_stack_room(self._compile_graph, graph, inputs, kwargs, kind, f"{label} {kind}", wanted,
                                        dumper, splits, static_names)
             if is_backward and kwargs.get("cudagraphs"):  # still on once the pieces compiled: graphs replay
-                return GradientsOutOfThePool(compiled, kwargs["cudagraphs"])
+                return GraphedBackward(compiled, kwargs["cudagraphs"])
             return compiled
 
         for node in gm.graph.find_nodes(op="placeholder"):
@@ -113,7 +114,7 @@ class JointCompiler:
             say_fallback_once(label, e)
             raise
         counters.joint_graphs += 1
-        return JointGraph(compiled, splits)
+        return JointGraph(compiled, splits, graphed=self.config.training_cudagraphs)
 
     def is_splitting(self, node: fx.Node) -> bool:
         """A splitting op in an ATen graph: called directly, or by the HOP that runs an op with the RNG
@@ -215,38 +216,21 @@ def _cudagraph_arguments(piece: fx.GraphModule, kwargs: dict, static_names: set[
             "static_input_idxs": [i for i, node in enumerate(placeholders) if node.name in static_names]}
 
 
-class GradientsOutOfThePool:
-    """A backward graph replayed under CUDA-graph trees, its gradients copied into memory of their own.
-
-    AccumulateGrad keeps a gradient it is handed as `.grad`. Left in the trees' pool, the next
-    micro-batch's forward starts a new generation, and the trees then refuse the `.grad +=` of its
-    backward ("accessing tensor output of CUDAGraphs that has been overwritten"), as under
-    reduce-overhead: gradient accumulation would not run. The cost is one copy per gradient per step.
-    Off where Inductor has turned the graphs off (`box`)."""
-
-    def __init__(self, run: Callable, box: Any):
-        self.run = run
-        self.box = box
-        # AOTAutograd hands a list it may clear. In the instance's dict: the disable wrapper AOTAutograd
-        # puts around a backward copies the wrapped object's __dict__, not its class attributes.
-        self._boxed_call = True
-
-    def __call__(self, args: list) -> Any:
-        outs = self.run(args)
-        if not self.box:
-            return outs
-        return type(outs)(t.clone() if isinstance(t, torch.Tensor) else t for t in outs)
-
-
 class JointGraph(torch.nn.Module):
     """What Dynamo calls for a training graph differentiated once. `splits`: the split forward (or
     inference) and backward graphs by kind, whose pieces are plain submodules (for tests and dumps);
-    an nn.Module, so the config reporter can hook its second call."""
+    an nn.Module, so the config reporter can hook its second call. `graphed`: its pieces may replay
+    under CUDA-graph trees, so gradients a graphed backward left in their pool are moved out before
+    the trees start a new generation (runtime/pool_gradients.py)."""
 
-    def __init__(self, compiled: Callable, splits: dict[str, fx.GraphModule]):
+    def __init__(self, compiled: Callable, splits: dict[str, fx.GraphModule], graphed: bool = False):
         super().__init__()
         self.compiled = compiled
         self.splits = splits
+        self.graphed = graphed
 
     def forward(self, *args):
+        if self.graphed:
+            POOL_GRADIENTS.note_leaves(args)
+            POOL_GRADIENTS.before_forward()
         return self.compiled(*args)

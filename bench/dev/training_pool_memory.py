@@ -1,0 +1,90 @@
+"""Where a training step's reserved GPU memory goes, by allocator pool (issue 46: training_cudagraphs).
+
+    python bench/dev/training_pool_memory.py [--columns inductor,ext-split,ext-split-cg] [--batch 8 --seq 512]
+
+Each column in a fresh process (one caching allocator and one CUDA-graph pool per column), the model of
+bench/checkpoint_training.py (HF Llama, gradient checkpointing on unless --checkpoint off), a few steps
+with zero_grad() between them. Printed per column, in MiB above what the process held with the model
+loaded: peak reserved, and the reserved memory at the end by pool (the ordinary allocator; CUDA-graph
+pools, which keep their size once recorded), with how much of each is in use then; and torch_ext's
+counter of gradients copied out of the pool.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+MiB = 2**20
+
+
+def one(args) -> dict:
+    import checkpoint_training as T
+    from torch_ext.backend.counters import counters
+
+    dtype = getattr(torch, args.dtype)
+    model, batch, op, loss_of = T.build(args.model, args, args.checkpoint == "on")
+    model = model.to("cuda", dtype).train()
+    batch = batch.to("cuda", dtype) if batch.is_floating_point() else batch.to("cuda")
+    run = T.compiled(args.column, model, op)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(args.steps):
+        model.zero_grad(set_to_none=True)
+        loss_of(run, batch).backward()
+    torch.cuda.synchronize()
+    pools: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        pool = tuple(segment.get("segment_pool_id", (0, 0)))
+        name = "ordinary" if pool == (0, 0) else f"graph pool {pool}"
+        pools[name][0] += segment["total_size"]
+        pools[name][1] += segment["active_size"]
+    return {"peak_reserved": (torch.cuda.max_memory_reserved() - base) / MiB,
+            "base": base / MiB,
+            "pools": {k: [v[0] / MiB, v[1] / MiB] for k, v in sorted(pools.items())},
+            "gradients_moved": counters.pool_gradients_moved}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--columns", default="inductor,ext-split,ext-split-cg")
+    p.add_argument("--model", default="hf-llama", choices=("hf-llama", "custom-op"))
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--checkpoint", default="on", choices=("on", "off"))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--column", default=None, help=argparse.SUPPRESS)  # the child process
+    args = p.parse_args()
+    if args.column:
+        print(json.dumps(one(args)))
+        return
+    print(f"# {' '.join(sys.argv)}; torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    print("| column | peak reserved MiB | pool: reserved MiB (in use at the end) | gradients moved |")
+    print("|---|---|---|---|")
+    for column in args.columns.split(","):
+        argv = [sys.executable, os.path.abspath(__file__), "--column", column] + sys.argv[1:]
+        done = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
+        lines = done.stdout.strip().splitlines()
+        if done.returncode or not lines:
+            print(f"| {column} | failed ({done.returncode}) | | |")
+            continue
+        r = json.loads(lines[-1])
+        pools = "; ".join(f"{k}: {v[0]:.0f} ({v[1]:.0f})" for k, v in r["pools"].items())
+        print(f"| {column} | {r['peak_reserved']:.0f} | {pools} | {r['gradients_moved']} |")
+
+
+if __name__ == "__main__":
+    main()
