@@ -52,15 +52,18 @@ def assert_same(actual, expected):
         torch.testing.assert_close(a, e, **TOL)
 
 
+# The versions between the newest and the oldest (Makefile: FULL_VERSIONS) run the three unmarked cases,
+# which still cover both attention ops, selective or not, every hop_split and both training paths.
+_slow = pytest.mark.slow
 CASES = [  # attention op, selective, nesting, hop_split, differentiate_once
-    (cm.SDPA, False, "none", "inline", True),
-    (cm.CUSTOM, False, "none", "in_body", True),
+    pytest.param(cm.SDPA, False, "none", "inline", True, marks=_slow),
+    pytest.param(cm.CUSTOM, False, "none", "in_body", True, marks=_slow),
     (cm.SDPA, True, "none", "inline", True),
     (cm.CUSTOM, False, "region_in_checkpoint", "inline", True),
-    (cm.SDPA, False, "checkpoint_in_region", "inline", True),
-    (cm.CUSTOM, True, "checkpoint_in_region", "in_body", True),
-    (cm.SDPA, False, "none", "inline", False),
-    (cm.CUSTOM, False, "region_in_checkpoint", "inline", False),
+    pytest.param(cm.SDPA, False, "checkpoint_in_region", "inline", True, marks=_slow),
+    pytest.param(cm.CUSTOM, True, "checkpoint_in_region", "in_body", True, marks=_slow),
+    pytest.param(cm.SDPA, False, "none", "inline", False, marks=_slow),
+    pytest.param(cm.CUSTOM, False, "region_in_checkpoint", "inline", False, marks=_slow),
     (cm.CUSTOM, True, "checkpoint_in_region", "in_body", False),
 ]
 
