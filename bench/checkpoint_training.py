@@ -93,21 +93,30 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def on_gpu(args, dtype, name: str, checkpointing: bool, column: str):
+    """`name` built, on the GPU in train mode, compiled as `column`: (model, batch, step callable, loss_of)."""
+    model, batch, op, loss_of = build(name, args, checkpointing)
+    model = model.to("cuda", dtype).train()
+    batch = batch.to("cuda", dtype) if batch.is_floating_point() else batch.to("cuda")
+    return model, batch, compiled(column, model, op), loss_of
+
+
+def train_steps(model, run, batch, loss_of, steps: int) -> None:
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        loss_of(run, batch).backward()
+    torch.cuda.synchronize()
+
+
 def reserved_peak(args, dtype, name: str, checkpointing: bool, column: str) -> float:
     """MiB the caching allocator reserves at its peak over a few steps of `column`, above what it held
     with the model loaded, in this process: a CUDA-graph pool counts whole (--reserved runs each
     column in a process of its own)."""
-    model, batch, op, loss_of = build(name, args, checkpointing)
-    model = model.to("cuda", dtype).train()
-    batch = batch.to("cuda", dtype) if batch.is_floating_point() else batch.to("cuda")
-    run = compiled(column, model, op)
+    model, batch, run, loss_of = on_gpu(args, dtype, name, checkpointing, column)
     torch.cuda.synchronize()
     base = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
-    for _ in range(4):
-        model.zero_grad(set_to_none=True)
-        loss_of(run, batch).backward()
-    torch.cuda.synchronize()
+    train_steps(model, run, batch, loss_of, 4)
     return (torch.cuda.max_memory_reserved() - base) / 2**20
 
 

@@ -30,18 +30,12 @@ def one(args) -> dict:
     import checkpoint_training as T
     from torch_ext.backend.counters import counters
 
-    dtype = getattr(torch, args.dtype)
-    model, batch, op, loss_of = T.build(args.model, args, args.checkpoint == "on")
-    model = model.to("cuda", dtype).train()
-    batch = batch.to("cuda", dtype) if batch.is_floating_point() else batch.to("cuda")
-    run = T.compiled(args.column, model, op)
+    model, batch, run, loss_of = T.on_gpu(args, getattr(torch, args.dtype), args.model, args.checkpoint == "on",
+                                          args.column)
     torch.cuda.synchronize()
     base = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
-    for _ in range(args.steps):
-        model.zero_grad(set_to_none=True)
-        loss_of(run, batch).backward()
-    torch.cuda.synchronize()
+    T.train_steps(model, run, batch, loss_of, args.steps)
     peak = (torch.cuda.max_memory_reserved() - base) / MiB
     # Steady state: what the steps need once compiled and recorded (compiles, Inductor's benchmarking
     # and the trees' warm-up runs happen in the first steps, some in the ordinary allocator).
@@ -49,19 +43,16 @@ def one(args) -> dict:
     torch.cuda.reset_peak_memory_stats()
     if args.history:
         torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        loss_of(run, batch).backward()
-    torch.cuda.synchronize()
-    at_peak = ordinary_at_peak(torch.cuda.memory._snapshot(), args.history) if args.history else []
+    T.train_steps(model, run, batch, loss_of, 2)
+    snapshot = torch.cuda.memory._snapshot()
+    at_peak = ordinary_at_peak(snapshot, args.history) if args.history else []
     pools: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    for segment in torch.cuda.memory._snapshot()["segments"]:
+    for segment in snapshot["segments"]:
         pool = tuple(segment.get("segment_pool_id", (0, 0)))
         name = "ordinary" if pool == (0, 0) else f"graph pool {pool}"
         pools[name][0] += segment["total_size"]
         pools[name][1] += segment["active_size"]
     return {"peak_reserved": peak, "steady_peak_reserved": (torch.cuda.max_memory_reserved() - base) / MiB,
-            "base": base / MiB,
             "pools": {k: [v[0] / MiB, v[1] / MiB] for k, v in sorted(pools.items())},
             "gradients_moved": counters.pool_gradients_moved, "ordinary_at_peak": at_peak}
 
@@ -79,8 +70,8 @@ def ordinary_at_peak(snapshot: dict, top: int) -> list:
     they were allocated (the largest `top` groups, MiB)."""
     ordinary = [(s["address"], s["address"] + s["total_size"]) for s in snapshot["segments"]
                 if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)]
+    # Only blocks allocated while recording count: the weights, allocated before, are left out.
     live: dict[int, tuple[int, str]] = {}
-    # Blocks alive before recording began (the weights) are the segments' active blocks not freed in the trace.
     best, best_live, total = -1, {}, 0
     for event in snapshot["device_traces"][torch.cuda.current_device()]:
         addr = event["addr"]
