@@ -1,14 +1,18 @@
 # `make test` runs the suite on every supported torch version, each in its own venv: one version after
 # another, each with WORKERS pytest workers (pytest-xdist; both cores of a 2-core machine), while the next
 # version's venv installs beside it (PREFETCH; its log is shown if the install fails). The newest tested
-# torch is the default venv (demo, bench). Tests marked `slow` (fresh processes, Inductor compiles: ~60% of
-# a version's time on a 2-core machine) run on FULL_VERSIONS (the newest and the oldest, whose code paths
-# differ most); the versions between run the rest, which keeps CI well inside its time limit (the GPU
-# machines run the whole suite on their 2.11: bench/gpu_check.sh tests). FULL=1 runs everything everywhere.
+# torch is the default venv (demo, bench). What runs where keeps CI well inside its time limit (a 2-core
+# machine; five venvs of several GB): the newest torch runs everything; the oldest (whose code paths
+# differ most) everything but the tests marked `slow` (fresh processes, Inductor compiles: ~60% of a
+# version's time); each torch between them one shard of those, by a hash of the test's id
+# (TORCH_EXT_TEST_SHARD, tests/conftest.py), so each test runs on one of them, plus the tests marked
+# `every_version` (HOP tracing, torch bugs) on all. The GPU machines run the whole suite on their 2.11
+# (bench/gpu_check.sh tests). FULL=1 runs everything everywhere.
 PY ?= python3
-FULL_VERSIONS := 2.15.0 2.9.1
-VERSIONS := $(FULL_VERSIONS) 2.11.0 2.14.1 2.13.0
 NEWEST := 2.15.0
+OLDEST := 2.9.1
+SHARDED_VERSIONS := 2.11.0 2.14.1 2.13.0
+VERSIONS := $(NEWEST) $(OLDEST) $(SHARDED_VERSIONS)
 FULL ?=
 WORKERS ?= 2
 PREFETCH ?= 1
@@ -19,6 +23,8 @@ DROP_VENVS ?=
 DEPS := expecttest pytest pytest-xdist depyf tqdm numpy setuptools wheel transformers==5.17.0 import-linter
 
 venv = .venv-torch$(1)
+# pytest's selection for a version: K/N where it is the K-th of N sharded versions, nothing otherwise.
+shard_of = $(strip $(foreach i,$(shell seq $(words $(SHARDED_VERSIONS))),$(if $(filter $(1),$(word $(i),$(SHARDED_VERSIONS))),$(i)/$(words $(SHARDED_VERSIONS)))))
 VENV := $(call venv,$(NEWEST))
 
 .PHONY: test lint demo bench docs clean $(addprefix test-,$(VERSIONS))
@@ -59,8 +65,9 @@ lint: $(VENV)/.ready
 $(addprefix test-,$(VERSIONS)): test-%:
 	$(MAKE) --no-print-directory $(call venv,$*)/.ready
 	inductor_cache=$$(mktemp -d /tmp/torch_ext_test_inductor_$*.XXXXXX); \
-	TORCHINDUCTOR_CACHE_DIR=$$inductor_cache $(call venv,$*)/bin/python -m pytest -q \
-	  $(if $(FULL)$(filter $*,$(FULL_VERSIONS)),,-m "not slow") \
+	TORCHINDUCTOR_CACHE_DIR=$$inductor_cache $(if $(FULL),,$(if $(call shard_of,$*),TORCH_EXT_TEST_SHARD=$(call shard_of,$*))) \
+	  $(call venv,$*)/bin/python -m pytest -q \
+	  $(if $(FULL)$(filter $*,$(NEWEST)),,-m "not slow") \
 	  $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS)) $(PYTEST_ARGS); status=$$?; \
 	rm -rf $$inductor_cache; $(if $(DROP_VENVS),rm -rf $(call venv,$*);) exit $$status
 

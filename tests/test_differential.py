@@ -7,6 +7,9 @@ import torch_ext
 from differential import compare
 from hop_corpus import PROGRAMS
 
+# HOP tracing is where torch versions differ most: these run on every CI torch, never sharded.
+pytestmark = pytest.mark.every_version
+
 
 def _check(name, backend):
     verdict, vanilla, ours = compare(PROGRAMS[name], backend)
