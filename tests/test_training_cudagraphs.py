@@ -124,6 +124,34 @@ def test_a_leaf_that_dies_is_forgotten():
     assert not pool._leaves
 
 
+def test_a_graph_called_with_the_same_leaves_skips_the_scan_and_any_change_rescans():
+    """The per-forward scan is skipped while the graph's leaves are the same objects (new activations
+    do not count); a leaf that died, or a leaf where a non-leaf was, makes it scan again."""
+    from torch_ext.backend.runtime.pool_gradients import LeafScan, PoolGradients
+
+    pool, last = PoolGradients(), LeafScan()
+    weights = [torch.nn.Parameter(torch.randn(2)) for _ in range(3)]
+    hidden = torch.randn(2, requires_grad=True) * 2  # requires grad, not a leaf (a layer's input)
+
+    def call(*extra):
+        pool.note_leaves([*weights, hidden, torch.randn(2), *extra], last)
+
+    call()
+    call()
+    call()
+    assert pool.scans == 1 and len(pool._leaves) == 3
+    weights[1] = torch.nn.Parameter(torch.randn(2))  # the old one dies: its id may come back
+    call()
+    assert pool.scans == 2 and any(ref() is weights[1] for ref in pool._leaves.values())
+    call()
+    assert pool.scans == 2
+    hidden = torch.randn(2, requires_grad=True)  # a leaf now where a non-leaf was
+    call()
+    assert pool.scans == 3 and any(ref() is hidden for ref in pool._leaves.values())
+    call(weights[0])  # another arity: scanned
+    assert pool.scans == 4
+
+
 def test_a_graphed_backward_notes_its_outputs_only_while_the_graphs_are_on(monkeypatch):
     from torch._inductor.utils import BoxedBool
 

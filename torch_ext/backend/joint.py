@@ -36,7 +36,7 @@ from torch_ext.backend.compile.siblings import PeeledPiece, peel_prologues, shar
 from torch_ext.backend.compile.stack_room import with_stack_room
 from torch_ext.backend.config import CompileConfig, resolve_op
 from torch_ext.backend.counters import counters
-from torch_ext.backend.runtime.pool_gradients import POOL_GRADIENTS, GraphedBackward
+from torch_ext.backend.runtime.pool_gradients import POOL_GRADIENTS, GraphedBackward, LeafScan
 from torch_ext.backend.runtime.straight_line import straight_line
 from torch_ext.backend.split.hoist import hoist_shared_values
 from torch_ext.backend.split.matcher import ATEN_FORMS, SplittingOpMatcher
@@ -228,9 +228,10 @@ class JointGraph(torch.nn.Module):
         self.compiled = compiled
         self.splits = splits
         self.graphed = graphed
+        self._leaf_scan = LeafScan()
 
     def forward(self, *args):
         if self.graphed:
-            POOL_GRADIENTS.note_leaves(args)
+            POOL_GRADIENTS.note_leaves(args, self._leaf_scan)
             POOL_GRADIENTS.before_forward()
         return self.compiled(*args)
