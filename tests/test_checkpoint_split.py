@@ -157,6 +157,43 @@ def test_recompute_draws_the_forward_random_numbers(once):
         assert not torch.allclose(out, torch.ops.torch_ext_test.attention_fn(h, h, h).sum() * model.s)
 
 
+class DropoutBranches(nn.Module):
+    """One checkpointed region of two branches, each attention -> dropout times its own scale s_i:
+    d out_i / d s_i == out_i / s_i only if the recompute drew the forward's masks. Inductor draws all of
+    a graph's dropouts from one seeds tensor; in the backward it is recomputed once, ahead of both
+    branches' pieces, and each piece looks up its dropout's seed in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+        self.s = nn.Parameter(torch.tensor([1.5, 0.75]))
+
+    def body(self, x):
+        outs = []
+        for i, p in enumerate((0.5, 0.25)):
+            h = self.lins[i](x)
+            outs.append((F.dropout(torch.ops.torch_ext_test.attention_fn(h, h, h), p, True) * self.s[i]).sum())
+        return torch.stack(outs)
+
+    def forward(self, x):
+        return checkpoint(self.body, x, use_reentrant=False)
+
+
+def test_recompute_of_random_seeds_shared_across_pieces():
+    """Before, the backward's recomputed seeds reached the other pieces without a fake value and
+    Inductor failed to compile them (TypeError in inductor_lookup_seed; HF OPT trained this way)."""
+    model = DropoutBranches()
+    x = torch.randn(4, 8, 32)
+    compiled = torch_ext_compiled(model, cm.CUSTOM)
+    counters.reset()
+    for _ in range(2):
+        model.zero_grad()
+        outs = compiled(x)
+        outs.sum().backward()
+        torch.testing.assert_close(model.s.grad, outs.detach() / model.s.detach(), rtol=1e-4, atol=1e-4)
+    assert counters.joint_graphs == 1
+
+
 @pytest.mark.slow
 def test_hf_gradient_checkpointing_split_at_sdpa():
     """transformers' gradient checkpointing (non-reentrant) on a Llama, split at its SDPA calls."""

@@ -41,6 +41,7 @@ from torch_ext.backend.runtime.straight_line import straight_line
 from torch_ext.backend.split.hoist import hoist_shared_values
 from torch_ext.backend.split.matcher import ATEN_FORMS, SplittingOpMatcher
 from torch_ext.backend.split.splitter import all_calls, is_trivial, split_graph
+from torch_ext.backend.split.values import fill_missing_values
 
 log = logging.getLogger("torch_ext.backend")
 
@@ -133,6 +134,7 @@ class JointCompiler:
             # Nothing to split at: Inductor's own compile of the graph, exactly as plain Inductor's.
             splits[kind] = graph
             return self.pieces.compile_whole(graph, inputs, kwargs, label)
+        fill_missing_values(graph.graph)  # a value crossing pieces is a piece's example input
         hoist_shared_values(graph, self.is_splitting)  # so that no layer's piece computes them for the rest
         split = split_graph(graph, self.is_splitting, "inline")
         splitting = [p for p in split.pieces if p.kind == "splitting"]
