@@ -128,7 +128,7 @@ def main():
             rows.append(check(name))
         except Exception as e:  # noqa: BLE001  (a row says what failed; the rest still run)
             traceback.print_exc()
-            rows.append([name, "-", f"FAILED: {type(e).__name__}: {str(e)[:120]}", "", "", ""])
+            rows.append([name, "-", f"FAILED: {type(e).__name__}: {' '.join(str(e).split())[:120]}", "", "", ""])
     header = ["family", "split at SDPA", "inference max err", "loss err", "grad max err", "s"]
     print(f"\ntorch {torch.__version__}, transformers {T.__version__}")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
