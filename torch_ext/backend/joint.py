@@ -38,7 +38,6 @@ from torch_ext.backend.config import CompileConfig, resolve_op
 from torch_ext.backend.counters import counters
 from torch_ext.backend.runtime.pool_gradients import POOL_GRADIENTS, GraphedBackward, LeafScan
 from torch_ext.backend.runtime.straight_line import straight_line
-from torch_ext.backend.split.cluster import cluster_splitting_ops
 from torch_ext.backend.split.hoist import hoist_shared_values
 from torch_ext.backend.split.matcher import ATEN_FORMS, SplittingOpMatcher
 from torch_ext.backend.split.splitter import all_calls, is_trivial, split_graph
@@ -137,7 +136,6 @@ class JointCompiler:
             return self.pieces.compile_whole(graph, inputs, kwargs, label)
         fill_missing_values(graph.graph)  # a value crossing pieces is a piece's example input
         hoist_shared_values(graph, self.is_splitting)  # so that no layer's piece computes them for the rest
-        cluster_splitting_ops(graph, self.is_splitting)  # fewer pieces to call
         split = split_graph(graph, self.is_splitting, "inline")
         splitting = [p for p in split.pieces if p.kind == "splitting"]
         is_backward, is_inference = kind == "backward", kind == "inference"
