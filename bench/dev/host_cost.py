@@ -4,11 +4,14 @@ is what differs.
 
     python bench/dev/host_cost.py                    # tiny HF Llama: 8 layers, hidden 64, batch 1 x 8
     python bench/dev/host_cost.py --rows inference --rounds 15
+    python bench/dev/host_cost.py --rows training,checkpointed --layers 4   # issue 46's CPU case
 
 Columns: inductor = torch.compile(model); ext = the torch_ext backend without a splitting op;
 ext-split = split at aten::scaled_dot_product_attention (training: differentiated once); ext-dispatch =
 ext-split through torch_ext.compile with guard-free dispatch (on request: --columns). Rows: us per
-inference call (no_grad), us per training step (forward with labels + backward), calls/s of `--threads`
+inference call (no_grad), us per training step (forward with labels + backward), the same step with
+HF gradient checkpointing on (non-reentrant, a copy of the model; the split keeps each layer's
+recompute), calls/s of `--threads`
 threads calling one compiled model under no_grad against one thread's (each output checked against
 eager on its input; wrong ones counted). Medians of interleaved rounds (the columns take turns in every
 round: a shared machine's speed drifts); ratios to inductor.
@@ -16,6 +19,7 @@ round: a shared machine's speed drifts); ratios to inductor.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -92,16 +96,26 @@ def main():
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--columns", default="inductor,ext,ext-split")
-    p.add_argument("--rows", default="inference,training,threads")
+    p.add_argument("--rows", default="inference,training,checkpointed,threads")
     args = p.parse_args()
     torch.set_num_threads(1)
+    # Every column and row compiles the same HF forward: 3 columns x 3 rows are 9 graphs of one function,
+    # past Dynamo's default limit of 8 (the ninth would run eagerly).
+    torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 64
     columns, rows = args.columns.split(","), args.rows.split(",")
     model = build_model(args)
     gen = torch.Generator().manual_seed(1)
     inputs = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen) for _ in range(4)]
     ids = inputs[0]
     infer = {c: compiled(c, model) for c in columns}
-    train = {c: compiled(c, model) for c in columns} if "training" in rows else {}
+    # One model per training row: switching checkpointing on and off would change what Dynamo guards
+    # (each enable makes a new checkpoint function) and recompile until it gave up.
+    trained = {"training": model}
+    if "checkpointed" in rows:
+        trained["checkpointed"] = copy.deepcopy(model)
+        trained["checkpointed"].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trained = {r: m for r, m in trained.items() if r in rows}
+    train = {(r, c): compiled(c, m) for r, m in trained.items() for c in columns}
     model.eval()
     with torch.no_grad():
         expected = [model(input_ids=x, use_cache=False).logits for x in inputs]
@@ -111,26 +125,24 @@ def main():
     call = {c: (lambda m=m: m(input_ids=ids, use_cache=False).logits) for c, m in infer.items()}
     runs = {c: (lambda x, m=m: m(input_ids=x, use_cache=False).logits) for c, m in infer.items()}
 
-    def step(c):
-        model.zero_grad(set_to_none=True)
-        train[c](input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    def step(r, c):
+        trained[r].zero_grad(set_to_none=True)
+        train[r, c](input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
-    if train:
-        model.train()
+    for r, m in trained.items():
+        m.train()
         for c in columns:
-            step(c), step(c)
-        model.eval()
-    samples = {(r, c): [] for r in ("inference", "training", "1 thread", "n threads", "ratio") for c in columns}
+            step(r, c), step(r, c)
+    samples = {(r, c): [] for r in ("inference", "training", "checkpointed", "1 thread", "n threads", "ratio")
+               for c in columns}
     wrong = {c: 0 for c in columns}
     for _ in range(args.rounds):  # interleaved: every column in every round
         for c in columns:
             if "inference" in rows:
                 with torch.no_grad():
                     samples["inference", c].append(timed_us(call[c], args.iters))
-            if "training" in rows:
-                model.train()
-                samples["training", c].append(timed_us(lambda: step(c), max(1, args.iters // 3)))
-                model.eval()
+            for r in trained:
+                samples[r, c].append(timed_us(lambda: step(r, c), max(1, args.iters // 3)))
             if "threads" in rows:
                 one, bad1 = threaded(runs[c], inputs, expected, 1, args.iters * args.threads)
                 many, bad = threaded(runs[c], inputs, expected, args.threads, args.iters)
@@ -142,6 +154,7 @@ def main():
     med = {k: statistics.median(v) for k, v in samples.items() if v}
     table = []
     for r, label, unit in (("inference", "inference call", "us"), ("training", "training step", "us"),
+                           ("checkpointed", "training step, checkpointed", "us"),
                            ("1 thread", "1 thread", "calls/s"), ("n threads", f"{args.threads} threads", "calls/s")):
         if (r, columns[0]) not in med:
             continue
