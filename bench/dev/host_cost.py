@@ -129,10 +129,11 @@ def main():
         trained[r].zero_grad(set_to_none=True)
         train[r, c](input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
-    for r, m in trained.items():
+    for r, m in trained.items():  # train mode only around the training rows: the other rows run `model` in eval
         m.train()
         for c in columns:
             step(r, c), step(r, c)
+        m.eval()
     samples = {(r, c): [] for r in ("inference", "training", "checkpointed", "1 thread", "n threads", "ratio")
                for c in columns}
     wrong = {c: 0 for c in columns}
@@ -141,8 +142,10 @@ def main():
             if "inference" in rows:
                 with torch.no_grad():
                     samples["inference", c].append(timed_us(call[c], args.iters))
-            for r in trained:
+            for r, m in trained.items():
+                m.train()
                 samples[r, c].append(timed_us(lambda: step(r, c), max(1, args.iters // 3)))
+                m.eval()
             if "threads" in rows:
                 one, bad1 = threaded(runs[c], inputs, expected, 1, args.iters * args.threads)
                 many, bad = threaded(runs[c], inputs, expected, args.threads, args.iters)
