@@ -3,6 +3,7 @@
 No torch_ext code is involved: each test shows torch's own result beside eager. They are strict
 xfails, so a torch release that fixes one turns its test red and we drop the workaround.
 """
+import collections
 import functools
 import types
 
@@ -224,3 +225,41 @@ def nested_regions(x):
                    "('fake mode from tracing context doesn't match')")
 def test_nested_regions_train():
     assert _grad_error(nested_regions, "aot_eager", shape=(4, 8)) < 1e-5
+
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+@torch.compiler.nested_compile_region
+def cos_sin_pair(x):
+    return Pair(torch.cos(x), torch.sin(x))
+
+
+@torch.compiler.nested_compile_region
+def cos_sin_list(x):
+    return [torch.cos(x), torch.sin(x)]
+
+
+def branches_on_pair_type(x):
+    """Two calls of a region returning a namedtuple; the second's type picks the factor (eager: 2)."""
+    a, b = cos_sin_pair(x), cos_sin_pair(x + 1)
+    return a.first + b[1] * (2 if isinstance(b, Pair) else 3)
+
+
+def branches_on_list_type(x):
+    """The same with a list (eager: 2)."""
+    a, b = cos_sin_list(x), cos_sin_list(x + 1)
+    return a[0] + b[1] * (2 if isinstance(b, list) else 3)
+
+
+def _output_error(fn, backend="eager"):
+    x = torch.randn(4, 3)
+    torch._dynamo.reset()
+    return (torch.compile(fn, backend=backend, fullgraph=True)(x) - fn(x)).abs().max().item()
+
+
+@pytest.mark.xfail(compat.REGION_REUSE_FLATTENS_OUTPUT_TYPE, strict=True, raises=AssertionError,
+                   reason="torch 2.12 .. 2.15: subgraph reuse returns a region's later calls as a plain tuple, "
+                   "so a list result is no list there (silently another branch)")
+def test_reused_region_keeps_list_type():
+    assert _output_error(branches_on_list_type) < 1e-6

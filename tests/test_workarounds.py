@@ -13,9 +13,9 @@ import torch
 
 import torch_ext
 from torch_ext import compat, workarounds
-from torch_ext.testing import check_matches_eager
+from torch_ext.testing import capture_graphs, check_matches_eager
 
-from test_torch_bugs import (checkpoint_grad_error, checkpointed_dropout, checkpointed_dropout_rows, chained_calls,
+from test_torch_bugs import (Pair, branches_on_list_type, branches_on_pair_type, checkpoint_grad_error, checkpointed_dropout, checkpointed_dropout_rows, chained_calls,
                              dropout_body, dropout_mask_error,
                              nested_regions, per_instance_regions, selectively_checkpointed_dropout, two_calls_product)
 
@@ -64,6 +64,33 @@ def test_region_chains_match_eager(installed, chain, length):
 def test_regions_bound_per_instance_match_eager(installed):
     """torch_ext lifts each call's own parameters (torch 2.13+ alone reuses the first instance's)."""
     check_matches_eager(per_instance_regions(3), torch.randn(2, 8, requires_grad=True), backends=("eager", "aot_eager"))
+
+
+@pytest.mark.parametrize("program", [branches_on_pair_type, branches_on_list_type])
+def test_reused_regions_keep_their_output_type(installed, program):
+    """Vanilla 2.12+ returns the second call as a plain tuple (test_torch_bugs.py): another branch."""
+    check_matches_eager(program, torch.randn(4, 3, requires_grad=True), backends=BACKENDS)
+
+
+def test_reused_region_namedtuple_fields_read(installed):
+    """`out.first` of a namedtuple region's second call: vanilla 2.15 fails ('GetAttrVariable(TupleVariable)
+    does not implement python_type()'); the body is still installed once."""
+    def twice(x):
+        a, b = _pair_region(x), _pair_region(x * 2)
+        return a.first * b.second + b.first
+
+    check_matches_eager(twice, torch.randn(5, requires_grad=True), backends=BACKENDS)
+    gm = capture_graphs(twice, torch.randn(5)).graphs[0]
+    bodies = {node.args[0].target for node in gm.graph.nodes
+              if node.target is torch._higher_order_ops.invoke_subgraph}
+    assert len(bodies) == 1
+
+
+def _pair(x):
+    return Pair(torch.cos(x), torch.sin(x) * 2)
+
+
+_pair_region = torch.compiler.nested_compile_region(_pair)
 
 
 @pytest.mark.parametrize("program", [two_calls_product, chained_calls, nested_regions])

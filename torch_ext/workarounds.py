@@ -26,6 +26,11 @@ strict xfail, so a torch release that fixes one shows up there.
    draws random numbers, with dynamic shapes, in training (AOTAutograd's partitioner). Avoided by
    compiling graphs with a checkpoint and dynamic shapes with `fallback_random=True` (eager's RNG
    ops: same masks as eager for the same seed; other graphs are untouched).
+7. torch's subgraph reuse (2.12+) stamps out the second and later calls of a `nested_compile_region`
+   as a plain tuple, whatever the body returned: a namedtuple or a list of tensors comes back as a
+   tuple, so `isinstance(out, NT)` is False (**silently another branch**) and `out.a` fails. Avoided:
+   only a result that is a tensor or a plain tuple is reused; other calls are traced as the first was
+   (the same body, installed once).
 """
 from __future__ import annotations
 
@@ -192,6 +197,18 @@ def _checkpoint_like_eager(call):
     return __call__
 
 
+def _reuse_only_plain_outputs(is_reuse_eligible):
+    """Dynamo's reuse check, refusing results a stamped-out call would not give back as returned (bug 7)."""
+
+    @functools.wraps(is_reuse_eligible)
+    def wrapper(tx, body_r, *args, **kwargs):
+        if not compat.plain_sequence_output(body_r):
+            return False
+        return is_reuse_eligible(tx, body_r, *args, **kwargs)
+
+    return wrapper
+
+
 def _patch_points():
     """(owner, attribute, wrap) for every patch this torch version needs now (Inductor's: _INDUCTOR_PATCH)."""
     invoke_subgraph_module = importlib.import_module("torch._higher_order_ops.invoke_subgraph")
@@ -199,6 +216,9 @@ def _patch_points():
     points = [(wrap_module.TagActivationCheckpoint, "__call__", _checkpoint_like_eager)]
     if compat.BACKWARD_CACHE_IGNORES_TANGENT_ALIASING:
         points.append((invoke_subgraph_module.InvokeSubgraphAutogradOp, "backward", _distinct_tangents))
+    reuse_check = compat.region_reuse_eligibility() if compat.REGION_REUSE_FLATTENS_OUTPUT_TYPE else None
+    if reuse_check is not None:
+        points.append((*reuse_check, _reuse_only_plain_outputs))
     return points
 
 

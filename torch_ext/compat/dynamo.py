@@ -24,6 +24,27 @@ try:  # 2.12+ moved it to its own module
 except ImportError:
     InvokeSubgraphHigherOrderVariable = _hops.InvokeSubgraphHigherOrderVariable
 
+
+
+def region_reuse_eligibility():
+    """(module, name) of Dynamo's check whether a traced region's result may be stamped out for later
+    calls (subgraph reuse, REGION_REUSE_FLATTENS_OUTPUT_TYPE), or None on a torch without reuse."""
+    try:
+        import torch._dynamo.variables.invoke_subgraph as module
+    except ImportError:
+        return None
+    return (module, "is_reuse_eligible") if hasattr(module, "is_reuse_eligible") else None
+
+
+def plain_sequence_output(vt) -> bool:
+    """A tensor, or a tuple exactly (no namedtuple, list or other subclass): what a stamped-out reuse
+    gives back as it was returned."""
+    from torch._dynamo.variables.lists import TupleVariable
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    return isinstance(vt, TensorVariable) or type(vt) is TupleVariable
+
+
 make_attr = _hops.make_attr
 validate_args_and_maybe_create_graph_inputs = _hops.validate_args_and_maybe_create_graph_inputs
 dynamo_enable_grad = _hops.dynamo_enable_grad

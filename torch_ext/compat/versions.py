@@ -79,6 +79,12 @@ EAGER_REGION_BACKWARD_NEEDS_FAKE_MODE = TORCH_VERSION < (2, 14)
 # parameters to every later call: wrong outputs (2.12.1 .. 2.15.0; 2.9.1 and 2.11 are right; 2.10 untested).
 # torch_ext's region tracing lifts each call's own parameters.
 REGION_REUSE_BINDS_FIRST_INSTANCE = TORCH_VERSION >= (2, 12)
+# torch's subgraph reuse stamps out later calls of a region as a plain tuple whatever the first call
+# returned: a namedtuple or a list of tensors comes back from the second call on as a tuple, so
+# `isinstance(out, NT)` is False there (silently another branch) and `out.a` fails (2.15.0; 2.13 and
+# 2.14.1: see tests/test_torch_bugs.py; 2.9.1 and 2.11 do not reuse). torch_ext lets torch reuse only
+# results returned as a tensor or a plain tuple; other calls are traced (and deduplicated) as the first.
+REGION_REUSE_FLATTENS_OUTPUT_TYPE = TORCH_VERSION >= (2, 12)
 
 # An activation checkpoint run outside of tracing (backend="eager") recomputes its body without the
 # forward's RNG state: dropout draws a new mask in backward, wrong gradients. Plain checkpoints: 2.12.1
