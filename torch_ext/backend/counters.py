@@ -13,6 +13,9 @@ class BackendCounters:
     splitting_op_calls: int = 0  # splitting-op nodes left to run eagerly between pieces
     # Training graphs AOTAutograd differentiated whole, then split (backend/joint.py).
     joint_graphs: int = 0
+    # Inputs of training pieces checked (and copied where needed) into their compiled layout at each call,
+    # since the piece making them returns them with other strides than their fakes (runtime/layout.py)
+    relaid_inputs: int = 0
     # training_cudagraphs: .grad tensors still in the CUDA-graph pool at the next forward, copied out
     # (runtime/pool_gradients.py; gradient accumulation across micro-batches).
     pool_gradients_moved: int = 0

@@ -36,6 +36,7 @@ from torch_ext.backend.compile.siblings import PeeledPiece, peel_prologues, shar
 from torch_ext.backend.compile.stack_room import with_stack_room
 from torch_ext.backend.config import CompileConfig, resolve_op
 from torch_ext.backend.counters import counters
+from torch_ext.backend.runtime import layout
 from torch_ext.backend.runtime.pool_gradients import POOL_GRADIENTS, GraphedBackward, LeafScan
 from torch_ext.backend.runtime.straight_line import straight_line
 from torch_ext.backend.split.hoist import hoist_shared_values
@@ -158,6 +159,11 @@ class JointCompiler:
                     cudagraphs=_cudagraph_arguments(target, kwargs, static_names))
                 if peeled:
                     compiled[piece.name] = callables[piece.name] = PeeledPiece(peeled, compiled[piece.name])
+                checks, sources = _inputs_laid_out_otherwise(split.split_gm, piece.name, gm, compiled)
+                if checks:
+                    counters.relaid_inputs += len(checks)
+                    compiled[piece.name] = callables[piece.name] = layout.LaidOutPiece(
+                        compiled[piece.name], checks, f"{label} {piece.name}", sources)
                 counters.pieces += 1
             else:  # a splitting op, or sizes and tuple unpacking: plain Python, inlined
                 callables[piece.name] = straight_line(gm.graph, {}, f"{label} {piece.name}", boxed=False)
@@ -204,6 +210,36 @@ class JointCompiler:
         if message not in self._said:
             self._said.add(message)
             log.warning("torch_ext: %s", message)
+
+
+def _producer(value: Any) -> tuple[str, int] | None:
+    """(piece, output index) of a split graph's value that a piece returned; None for anything else."""
+    if not isinstance(value, fx.Node):
+        return None
+    if value.op == "call_module":
+        return value.target, 0
+    source = value.args[0] if value.op == "call_function" and value.target is operator.getitem else None
+    if isinstance(source, fx.Node) and source.op == "call_module" and isinstance(value.args[1], int):
+        return source.target, value.args[1]
+    return None
+
+
+def _inputs_laid_out_otherwise(split_gm: fx.GraphModule, name: str, piece: fx.GraphModule, compiled: dict):
+    """Layout checks for the inputs of piece `name` that an earlier compiled piece returns with other
+    strides than this piece's fakes (Inductor reports what its code returns: runtime/layout.py's
+    LaidOutPiece says when that differs), and what makes each; none for a usual piece."""
+    call = next(iter(split_gm.graph.find_nodes(op="call_module", target=name)))
+    fakes = [node.meta.get("val") for node in piece.graph.find_nodes(op="placeholder")]
+    sources: dict[int, str] = {}
+    for index, (arg, fake) in enumerate(zip(call.args, fakes)):
+        made_by = _producer(arg)
+        producer = compiled.get(made_by[0]) if made_by else None
+        strides = getattr(producer, "output_strides", None)
+        if not isinstance(fake, torch.Tensor) or strides is None or made_by[1] >= len(strides):
+            continue
+        if not layout.strides_agree(fake, strides[made_by[1]]):
+            sources[index] = f"output {made_by[1]} of {made_by[0]}"
+    return layout.checks_for(fakes, sources), sources
 
 
 def _cudagraph_arguments(piece: fx.GraphModule, kwargs: dict, static_names: set[str]) -> dict | None:

@@ -114,3 +114,40 @@ def _say(piece: str, index: int, x: torch.Tensor, source: str) -> None:
             "compiled for; it is copied into that layout on every such call%s", index, piece, source, x.stride(),
             tuple(x.shape), ". Make the op's fake kernel return its real layout to avoid the copy."
             if user_op else "")
+
+
+def _stride_expr(x: Any):
+    return x if isinstance(x, sympy.Basic) else _expr(x)
+
+
+def strides_agree(fake: torch.Tensor, strides) -> bool:
+    """Whether a piece's output, laid out with `strides` (what Inductor reported for it), has the layout
+    of `fake` (what the next piece was compiled for): equal strides on every dim not of size 1."""
+    if strides is None or len(strides) != fake.dim():
+        return strides is None  # nothing reported: the fake is all there is to go by
+    for size, want, got in zip(fake.shape, fake.stride(), strides):
+        if _expr(size) != 1 and sympy.expand(_expr(want) - _stride_expr(got)) != 0:
+            return False
+    return True
+
+
+class LaidOutPiece:
+    """A boxed compiled piece of a graph differentiated once (backend/joint.py) whose inputs at `checks`
+    come from an earlier piece that returns them laid out otherwise than this piece was compiled for: a
+    view of its own input, whose real strides its fake did not have (AOTAutograd's backward graph holds
+    `expand` of a loss's scalar tangent with contiguous strides on 2.15, stride 0 in fact). Each such
+    input is copied into the compiled layout where it differs; said once."""
+
+    _boxed_call = True
+
+    def __init__(self, compiled: Any, checks: tuple[LayoutCheck, ...], label: str, sources: dict[int, str]):
+        self.compiled, self.checks, self.label, self.sources = compiled, checks, label, sources
+        self.output_strides = compiled.output_strides
+
+    def __call__(self, args: list):
+        for check in self.checks:
+            x = args[check.index]
+            if not has_layout(x, check) and x.numel() != 0:
+                args[check.index] = _copy_in_order(x, check.order)
+                _say(self.label, check.index, x, self.sources[check.index])
+        return self.compiled(args)
