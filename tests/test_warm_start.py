@@ -498,3 +498,34 @@ def test_the_dynamic_entry_makes_dynamic_only_the_dims_that_changed(tmp_path, fx
     assert len(runners) == 2 and all(r.capturable for r in runners), [r.reason for r in runners]
     assert {2, 8} <= cudagraph_stats.sizes  # the dynamic program's graphs
     assert all(not hasattr(t, "_dynamo_weak_dynamic_indices") for t in ck + cv)  # the user's tensors as they were
+
+
+SCALE = 2.0  # read by Scaled.forward: Dynamo guards on its value
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) * SCALE
+
+
+@aot_only
+def test_a_global_changed_since_the_trace_does_not_run_the_saved_program(tmp_path, fx_pieces, monkeypatch):
+    """Dynamo's guards on globals are not saved with the program; the values they checked are, so a
+    global set otherwise (another process's environment, a flag flipped between calls) goes through
+    torch.compile, which traces with its value, instead of running code traced with the old one."""
+    model = Scaled().eval()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        compiled = new_process(model, config(tmp_path))
+        torch.testing.assert_close(compiled(x), model(x))
+        monkeypatch.setattr(sys.modules[__name__], "SCALE", 3.0)
+        torch.testing.assert_close(compiled(x), model(x))  # this process, after the change
+        loads = counters.warm_start_loads
+        torch.testing.assert_close(new_process(model, config(tmp_path))(x), model(x))  # the next process
+        assert counters.warm_start_loads > loads  # found, refused by the value: torch.compile ran it
+        monkeypatch.setattr(sys.modules[__name__], "SCALE", 2.0)
+        torch.testing.assert_close(new_process(model, config(tmp_path))(x), model(x))  # the saved one again

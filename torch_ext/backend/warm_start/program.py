@@ -18,8 +18,8 @@ and the call: tensor dtypes, devices, ranks, requires_grad, dim markings; Python
 grad/inference mode and `dynamic`. On load the traced files are checked against their digests,
 the data against its sha256 (cache.py), torch's SystemInfo against this process; every call runs
 the saved code only if the saved guards accept it (shapes, dtypes, module attributes Dynamo read;
-guards on globals are not saved: globals the forward reads are frozen, as under guard-free
-dispatch). Anything else goes through torch.compile, said in one log line.
+guards on globals are not saved: the plain values Dynamo guarded globals on, a flag or a scale, are
+saved and checked by value instead, GlobalValues). Anything else goes through torch.compile, said in one log line.
 """
 from __future__ import annotations
 
@@ -79,12 +79,53 @@ def for_forward(model, func, self_arg, backend, dynamic) -> "WarmStart | None":
     return WarmStart(model, func, self_arg, backend, dynamic)
 
 
+_CONSTANT_GUARDS = ("CONSTANT_MATCH", "EQUALS_MATCH")
+
+
+def _plain_constant(value: Any) -> bool:
+    if isinstance(value, (tuple, frozenset)):
+        return all(_plain_constant(v) for v in value)
+    return value is None or type(value) in (bool, int, float, str)
+
+
+class GlobalValues:
+    """The values of the forward's globals that Dynamo guarded on (a flag, a scale: `G['SCALE']`),
+    as traced. Dynamo's guards on globals are not saved with the program, so these are checked
+    instead, at every call: a global changed since the trace, in this process or in the one that
+    saved it, makes the program refuse the call, which then goes through torch.compile (guarded)
+    rather than running code traced with the old value."""
+
+    def __init__(self, values: dict[str, Any], func_globals: dict):
+        self.values = values
+        self._getters = []
+        for name, value in values.items():
+            try:  # Dynamo's source name of a global: G['SCALE'], G['config'].flag
+                getter = eval(compile(f"lambda G: {name}", "<torch_ext global guard>", "eval"), {})
+                getter(func_globals)
+            except Exception:  # a name made of Dynamo's helpers: left unchecked, as all were before
+                continue
+            self._getters.append((name, getter, value))
+        self._globals = func_globals
+
+    def changed(self) -> str | None:
+        """The first global whose value is not the traced one, as a reason; None where none is."""
+        for name, getter, value in self._getters:
+            try:
+                now = getter(self._globals)
+            except Exception as e:
+                return f"global {name} cannot be read ({type(e).__name__}); traced with {value!r}"
+            if type(now) is not type(value) or now != value:
+                return f"global {name} is {now!r}, traced with {value!r}"
+        return None
+
+
 class Program:
     """A traced program (loaded or just compiled): Dynamo's code, callable without Dynamo."""
 
-    def __init__(self, aot, self_arg):
+    def __init__(self, aot, self_arg, global_values: GlobalValues | None = None):
         self.aot = aot
         self.self_arg = self_arg
+        self.global_values = global_values
         self.function = aot.fn  # the transformed forward; takes `self` first for a method
         self.graph_inputs = compat.aot_backend_result(aot).graph_inputs
         # What runs a call (guard-free dispatch arms it): the forward with its self, and for a program of
@@ -94,12 +135,17 @@ class Program:
 
     def accepts(self, args: tuple, kwargs: dict) -> bool:
         """The per-call check (mismatch() builds the reason too: only where it is said)."""
+        if self.global_values is not None and self.global_values.changed() is not None:
+            return False
         if self.self_arg is not None:
             args = (self.self_arg,) + args
         return compat.aot_guard_accepts(self.aot, args, kwargs)
 
     def mismatch(self, args: tuple, kwargs: dict) -> str | None:
         """Why the saved guards refuse this call, or None."""
+        reason = self.global_values.changed() if self.global_values is not None else None
+        if reason is not None:
+            return reason
         if self.self_arg is not None:
             args = (self.self_arg,) + args
         return compat.aot_guard_reason(self.aot, args, kwargs)
@@ -285,7 +331,7 @@ class WarmStart:
             aliases = {name: importlib.import_module(module) for name, module in entry["module_aliases"].items()}
             aot = compat.aot_deserialize(entry["aot"], {**self.func.__globals__, **aliases}, entry["marks"],
                                          self._external())
-            program = Program(aot, self.self_arg)
+            program = Program(aot, self.self_arg, GlobalValues(entry.get("globals", {}), self.func.__globals__))
         except Exception as e:
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             store.discard(name, f"cannot be loaded: {reason}")
@@ -323,6 +369,8 @@ class WarmStart:
         closure = list(self.func.__code__.co_freevars)  # a decorator's cells: the function it wraps
         keep = []
         for e in entries:
+            if e.is_global and e.guard_type in _CONSTANT_GUARDS and e.has_value and _plain_constant(e.value):
+                self._traced_globals[e.name] = e.value  # checked by value instead (GlobalValues)
             identity = e.guard_type in _IDENTITY_GUARDS or (e.guard_type == "CONSTANT_MATCH" and e.has_value
                                                              and isinstance(e.value, types.CodeType))
             on_argument = warm_key.rooted_at(e.name, arguments) and not warm_key.through_class(e.name)
@@ -332,6 +380,7 @@ class WarmStart:
 
     def _compile_and_save(self, store: ArtifactStore, name: str, factors: dict, args: tuple, kwargs: dict,
                           dynamic: bool | None):
+        self._traced_globals: dict[str, Any] = {}  # filled by _guard_filter while Dynamo traces
         try:
             aot, traced = compat.retrying_float_restarts(lambda: compat.aot_compile(
                 self.func, self.self_arg, args, kwargs, saved_graph.backend_for_save(self.backend),
@@ -349,13 +398,13 @@ class WarmStart:
         if self.backend.config.cudagraph_mode != "none":
             if buffer_assignments(compat.aot_transformed_code(aot)):
                 return "refused"  # torch.compile's bytecode hook raises the error that shows the store
-        program = Program(aot, self.self_arg)
+        program = Program(aot, self.self_arg, GlobalValues(dict(self._traced_globals), self.func.__globals__))
         arguments = inspect.signature(self.func, follow_wrapped=False).bind(*(((self.self_arg,) if self.self_arg is not None else ())
                                                        + args), **kwargs).arguments
         sources = {path: _file_digest(path) for path in set(compat.aot_traced_files(traced)) if os.path.exists(path)}
         try:
             entry = {"format": FORMAT, "factors": factors, "sources": sources, "cpu_vec_isa": compat.cpu_vec_isa_names(),
-                     "retraced_after": self._load_failure,
+                     "retraced_after": self._load_failure, "globals": program.global_values.values,
                      "module_aliases": compat.aot_module_aliases(aot, self.func.__globals__),
                      "marks": saved_graph.tensor_marks(arguments), "aot": compat.aot_serialize(aot, self._external())}
         except Exception as e:  # the program runs here; the next process traces again
