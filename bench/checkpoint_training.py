@@ -168,6 +168,9 @@ def main():
         return
 
     columns = tuple(args.columns.split(","))
+    # Every column compiles HF's shared forward code objects again (another backend each; both
+    # checkpoint cases in one process): raise Dynamo's limits so no column runs eagerly or fails.
+    torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 64
     cases = [(n, c) for n in args.models.split(",") for c in {"on": (True,), "off": (False,), "both": (True, False)}[args.checkpoint]]
     for name, checkpointing in cases:
         model, batch, op, loss_of = build(name, args, checkpointing)
