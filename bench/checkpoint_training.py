@@ -15,7 +15,8 @@ Columns: eager; inductor = torch.compile(model, fullgraph=True); ext = torch_ext
 splitting op; ext-split = split at attention (the training graph differentiated once: backend/joint.py);
 ext-split-pieces = split at attention, each piece differentiated on its own (differentiate_once=False,
 the path before). Opt-in (name them in --columns; CUDA): inductor-ro = torch.compile(mode="reduce-overhead");
-ext-split-cg = ext-split with training_cudagraphs=True (each piece replayed by Inductor's CUDA-graph trees).
+ext-split-cg = ext-split with training_cudagraphs="pieces" (each piece replayed by Inductor's CUDA-graph trees);
+ext-split-cg-whole = training_cudagraphs="whole" (the forward and the backward one graph each, attention inside).
 Rows: MiB the forward keeps for backward (torch_ext.testing.activation_bytes), peak memory of a whole
 step above the weights (CUDA; "-" for the CUDA-graph columns: a replay writes pool memory the
 allocator counts as free, so neither row sees it; one pool serves every graph column of a process);
@@ -48,7 +49,7 @@ import torch  # noqa: E402
 from harness import model_arguments, print_table  # noqa: E402
 
 COLUMNS = ("eager", "inductor", "ext", "ext-split", "ext-split-pieces")
-OPT_IN = ("inductor-ro", "ext-split-cg")  # CUDA graphs: run only when named in --columns
+OPT_IN = ("inductor-ro", "ext-split-cg", "ext-split-cg-whole")  # CUDA graphs: run only when named in --columns
 
 
 def build(name: str, args, checkpointing: bool = True):
@@ -84,7 +85,7 @@ def compiled(column: str, model, splitting_op: str):
         return torch.compile(model, fullgraph=True, mode="reduce-overhead")
     ops = (splitting_op,) if column.startswith("ext-split") else ()
     config = CompileConfig(cache_dir=None, splitting_ops=ops, differentiate_once=column != "ext-split-pieces",
-                           training_cudagraphs=column == "ext-split-cg")
+                           training_cudagraphs={"ext-split-cg": "pieces", "ext-split-cg-whole": "whole"}.get(column, False))
     return torch.compile(model, backend=make_backend(config), fullgraph=True)
 
 

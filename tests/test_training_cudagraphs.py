@@ -163,3 +163,120 @@ def test_a_graphed_backward_notes_its_outputs_only_while_the_graphs_are_on(monke
     graphed = pool_gradients.GraphedBackward(lambda args: grads, BoxedBool(True))
     assert graphed([]) is grads and noted == [grads] and graphed._boxed_call
     assert pool_gradients.GraphedBackward(lambda args: grads, BoxedBool(False))([]) is grads and len(noted) == 1
+
+
+@pytest.mark.parametrize("value, mode", [(True, "pieces"), ("pieces", "pieces"), ("whole", "whole"), (False, False)])
+def test_its_modes(value, mode):
+    assert CompileConfig(cache_dir=None, training_cudagraphs=value).training_cudagraphs == mode
+
+
+@pytest.mark.parametrize("value", [1, 0, "full", None])
+def test_another_value_is_refused_with_the_modes_named(value):
+    with pytest.raises(ValueError, match="training_cudagraphs.*'pieces', 'whole'"):
+        CompileConfig(cache_dir=None, training_cudagraphs=value)
+
+
+def test_whole_on_a_cpu_graph_trains_as_without_it_and_says_so_once(caplog):
+    """"whole" on a CPU: nothing is captured, the one CPU note is all that is said, gradients as eager."""
+    from torch_ext.backend.counters import counters
+
+    torch._dynamo.reset()
+    counters.reset()
+    model = cm.CheckpointedModel(layers=2, d=16, attention=cm.CUSTOM)
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 8, 16)
+    backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=[cm.CUSTOM], training_cudagraphs="whole"))
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with caplog.at_level("WARNING", logger="torch_ext.backend"):
+        for _ in range(2):
+            compiled(x).backward()
+    reference(x).backward()
+    reference(x).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    said = [r.getMessage() for r in caplog.records if "training_cudagraphs" in r.getMessage()]
+    assert len(said) == 1 and "['cpu']" in said[0]
+    assert counters.graphed_whole == 0
+
+
+def _aten_graph(fn, *args):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn)(*args)
+
+
+def test_whole_capture_refuses_rng_state_hops_cpu_work_and_written_inputs():
+    """What the graph shows that a single capture could not replay: the RNG state read and set from
+    Python around a splitting op, work on the CPU, an input that is not static written in place."""
+    from torch._prims.rng_prims import run_and_save_rng_state
+
+    from torch_ext.backend.runtime.graphed_whole import mutated_inputs, whole_capture_refusal
+
+    def fn(x, w):
+        return torch.mm(x, w)
+
+    plain = _aten_graph(fn, torch.randn(2, 2), torch.randn(2, 2))
+    assert "is on cpu" in whole_capture_refusal(plain, ())
+
+    def writes(x, w):
+        x.add_(1)
+        return torch.mm(x, w)
+
+    written = _aten_graph(writes, torch.randn(2, 2), torch.randn(2, 2))
+    assert mutated_inputs(written.graph) == [0]
+    for node in written.graph.nodes:  # no device to refuse: only the write is left
+        node.meta.pop("val", None)
+    reason = whole_capture_refusal(written, ())
+    assert reason is not None and "[0]" in reason and "in place" in reason
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    saved = graph.call_function(run_and_save_rng_state, (torch.ops.aten.rand_like.default, x))
+    graph.output(saved)
+    assert "RNG state" in whole_capture_refusal(torch.fx.GraphModule({}, graph), ())
+
+
+def test_whole_hands_the_trees_one_graph_per_direction_with_its_pieces_off_graphs(monkeypatch):
+    """The "whole" wiring, on the CPU with the trees stood in for by a pass-through: every piece is
+    compiled off CUDA graphs, the forward's and the backward's straight-line code are each handed to
+    the trees once (parameters static in the forward), and training equals eager."""
+    from torch_ext.backend import joint
+    from torch_ext.backend.counters import counters
+
+    handed, boxes = [], []
+    original = compat.compile_aten_graph
+
+    def spy(gm, example_inputs, **kwargs):
+        boxes.append((kwargs.get("cudagraphs") or {}).get("cudagraphs"))
+        return original(gm, example_inputs, **kwargs)
+
+    def trees(run, graph, **kwargs):
+        handed.append({**kwargs, "inputs": [n.name for n in graph.graph.find_nodes(op="placeholder")]})
+
+        def replay(args):
+            return run(args)
+
+        replay._boxed_call = True
+        return replay
+
+    monkeypatch.setattr(compat, "compile_aten_graph", spy)
+    monkeypatch.setattr(compat, "cudagraph_trees_whole", trees)
+    monkeypatch.setattr(joint.JointCompiler, "_replayed_whole",  # as on a GPU, where the graph can be one
+                        lambda self, graph, kwargs, label: bool(kwargs.get("cudagraphs")))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    torch._dynamo.reset()
+    counters.reset()
+    model = cm.CheckpointedModel(layers=2, d=16, attention=cm.CUSTOM)
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 8, 16)
+    backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=[cm.CUSTOM], training_cudagraphs="whole"))
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for _ in range(2):
+        compiled(x).backward()
+        reference(x).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert boxes and all(box is not None and not box for box in boxes)  # every piece off graphs
+    assert [h["is_backward"] for h in handed] == [False, True] and counters.graphed_whole == 2
+    forward = handed[0]
+    static = {forward["inputs"][i] for i in forward["static_input_idxs"]}
+    assert len(static) == len(list(model.parameters())) and list(forward["mutated_input_idxs"]) == []

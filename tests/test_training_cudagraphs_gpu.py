@@ -30,9 +30,13 @@ def _train(model, run, x, steps):
     return losses
 
 
+MODES = ["pieces", "whole"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("checkpointing", [True, False])
 @pytest.mark.parametrize("attention", [cm.SDPA, cm.CUSTOM])
-def test_split_training_with_cudagraph_trees_matches_eager(attention, checkpointing):
+def test_split_training_with_cudagraph_trees_matches_eager(attention, checkpointing, mode):
     from torch._dynamo.utils import counters
     from torch._inductor import cudagraph_trees
 
@@ -44,7 +48,7 @@ def test_split_training_with_cudagraph_trees_matches_eager(attention, checkpoint
     model = cm.CheckpointedModel(layers=3, d=32, attention=attention, checkpointing=checkpointing).cuda()
     reference = copy.deepcopy(model)
     x = torch.randn(2, 16, 32, device="cuda")
-    backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=[attention], training_cudagraphs=True))
+    backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=[attention], training_cudagraphs=mode))
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     steps = 5
     actual = _train(model, compiled, x, steps)
@@ -58,8 +62,11 @@ def test_split_training_with_cudagraph_trees_matches_eager(attention, checkpoint
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert ext_counters.pool_gradients_moved == 0  # zero_grad() freed them: the gradients were never copied
     recorded = len(list(manager.ids_to_funcs))
-    assert recorded >= 3  # forward and backward pieces (distinct compiles; layers share theirs)
-    print(f"{attention} checkpointing={checkpointing}: {recorded} functions under CUDA-graph trees, "
+    if mode == "whole":  # the forward and the backward, splitting ops inside
+        assert ext_counters.graphed_whole == 2 and recorded == 2
+    else:
+        assert recorded >= 3 and ext_counters.graphed_whole == 0  # forward and backward pieces (layers share theirs)
+    print(f"{attention} checkpointing={checkpointing} {mode}: {recorded} functions under CUDA-graph trees, "
           f"{counters['inductor'].get('cudagraph_recorded_non_static_inputs', 0)} non-static inputs recorded")
 
 
@@ -84,7 +91,8 @@ class ParallelDropout(torch.nn.Module):
         return torch.stack(parts)
 
 
-def test_dropout_in_graphed_pieces_recomputes_the_forward_masks_and_draws_new_ones_each_step():
+@pytest.mark.parametrize("mode", MODES)
+def test_dropout_in_graphed_pieces_recomputes_the_forward_masks_and_draws_new_ones_each_step(mode):
     """Random numbers drawn inside captured pieces (forward, and the checkpoint's recompute in the
     backward): the recompute's masks are the forward's, and each replay draws new ones."""
     from torch._dynamo.utils import counters
@@ -94,7 +102,7 @@ def test_dropout_in_graphed_pieces_recomputes_the_forward_masks_and_draws_new_on
     counters.clear()
     model = ParallelDropout().cuda()
     x = torch.randn(2, 16, 32, device="cuda")
-    backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=[cm.CUSTOM], training_cudagraphs=True))
+    backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=[cm.CUSTOM], training_cudagraphs=mode))
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     seen = []
     for _ in range(4):
@@ -110,8 +118,9 @@ def test_dropout_in_graphed_pieces_recomputes_the_forward_masks_and_draws_new_on
     assert manager is not None and len(list(manager.ids_to_funcs)) >= 2, "the pieces were not replayed as graphs"
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("attention", [cm.SDPA, cm.CUSTOM])
-def test_dropout_with_aten_random_numbers_trains_as_eager(attention):
+def test_dropout_with_aten_random_numbers_trains_as_eager(attention, mode):
     """With Inductor's fallback_random (aten's RNG in compiled code, as eager draws it), the graphed
     split model with dropout and checkpointing draws eager's masks: losses and weights equal eager's."""
     from torch._inductor import config as inductor_config
@@ -120,7 +129,7 @@ def test_dropout_with_aten_random_numbers_trains_as_eager(attention):
     model = cm.CheckpointedModel(layers=3, d=32, attention=attention, dropout=0.3).cuda()
     reference = copy.deepcopy(model)
     x = torch.randn(2, 16, 32, device="cuda")
-    backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=[attention], training_cudagraphs=True))
+    backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=[attention], training_cudagraphs=mode))
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     with inductor_config.patch(fallback_random=True):
         torch.manual_seed(7)
@@ -183,9 +192,10 @@ def test_a_new_process_loads_the_graphed_training_pieces_and_trains_the_same(tmp
     assert warm["losses"] == pytest.approx(cold["losses"], rel=1e-6)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("attention", [cm.SDPA, cm.CUSTOM])
-def test_gradient_accumulation_over_micro_batches_equals_eager(attention, set_to_none):
+def test_gradient_accumulation_over_micro_batches_equals_eager(attention, set_to_none, mode):
     """Two micro-batches per step, gradients accumulated in .grad between replays of the same backward
     pieces. Under reduce-overhead (and here before gradients were moved out of the pool) the second
     backward raised the trees' "overwritten by a subsequent run" error. Only the .grad tensors still
@@ -198,7 +208,7 @@ def test_gradient_accumulation_over_micro_batches_equals_eager(attention, set_to
     model = cm.CheckpointedModel(layers=2, d=32, attention=attention).cuda()
     reference = copy.deepcopy(model)
     xs = [torch.randn(2, 16, 32, device="cuda") for _ in range(2)]
-    backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=[attention], training_cudagraphs=True))
+    backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=[attention], training_cudagraphs=mode))
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     steps, trained = 3, [p for p in model.parameters() if p.requires_grad]
     for step in range(steps):

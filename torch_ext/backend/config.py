@@ -26,6 +26,7 @@ import torch
 
 CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
 HOP_SPLIT_MODES = ("inline", "in_body")
+TRAINING_CUDAGRAPH_MODES = (False, "pieces", "whole")
 
 _OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
 _FUNCTION_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")  # module.function
@@ -194,10 +195,13 @@ class CompileConfig:
     # its forward and backward graphs are split and run as straight-line code (backend/joint.py: Inductor's
     # step time and memory). False: each piece is differentiated on its own (the split-per-piece path).
     differentiate_once: bool = True
-    # Training graphs differentiated once: each compiled piece of the forward and backward graphs is
-    # replayed as a CUDA graph by Inductor's CUDA-graph trees (what mode="reduce-overhead" does for a whole
-    # graph; its rules: a step's outputs are overwritten by the next step's). Splitting ops run between them.
-    training_cudagraphs: bool = False
+    # Training graphs differentiated once, replayed as CUDA graphs by Inductor's CUDA-graph trees (its rules,
+    # as under mode="reduce-overhead": a step's outputs are overwritten by the next step's). "pieces" (or
+    # True): each compiled piece of the forward and backward graphs is a graph, the splitting ops run
+    # eagerly between them. "whole": the forward and the backward are one graph each, the splitting ops
+    # captured too (they must be capturable: no host sync, nothing on the CPU that must run every step);
+    # a graph that cannot be (RNG state saved around a splitting op, CPU tensors) keeps "pieces", said once.
+    training_cudagraphs: bool | str = False
     # Inductor CustomGraphPass-style passes run post-grad through torch_ext.backend.passes.PassManager.
     post_grad_passes: tuple[Any, ...] = dataclasses.field(default=(), hash=False)
     # Run passes.UnfuseOutputAddmm before them: a residual sum that the split made a piece output
@@ -313,7 +317,7 @@ class CompileConfig:
         set_("debug_dump_dir", os.path.abspath(os.path.expanduser(dump)) if dump else None)
 
         for flag in ("dedup", "cudagraph_check_addresses", "guard_free_dispatch", "unfuse_output_addmm",
-                     "merge_projections", "decode_linear_fusion", "differentiate_once", "training_cudagraphs",
+                     "merge_projections", "decode_linear_fusion", "differentiate_once",
                      "kernel_tuning", "background_compile", "additive_attention_masks"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(flag, f"expected True or False, got {getattr(self, flag)!r}", f"Write {flag}=True")
@@ -321,9 +325,15 @@ class CompileConfig:
             if getattr(self, flag) is not None and not isinstance(getattr(self, flag), bool):
                 _fail(flag, f"expected True, False or None, got {getattr(self, flag)!r}",
                       "None runs it where CUDA graphs replay its launches")
+        if self.training_cudagraphs is True:
+            set_("training_cudagraphs", "pieces")
+        if self.training_cudagraphs is not False and self.training_cudagraphs not in TRAINING_CUDAGRAPH_MODES[1:]:
+            _fail("training_cudagraphs", f"expected one of {TRAINING_CUDAGRAPH_MODES} (True is 'pieces'), got "
+                  f"{self.training_cudagraphs!r}", 'Write training_cudagraphs="whole" where the splitting ops are '
+                  'capturable, else "pieces"')
         if self.training_cudagraphs and not self.differentiate_once:
             _fail("training_cudagraphs", "needs differentiate_once=True: the split-per-piece training path has no "
-                  "CUDA graphs", "Drop differentiate_once=False, or training_cudagraphs=True")
+                  "CUDA graphs", "Drop differentiate_once=False, or drop training_cudagraphs")
         if self.warm_start is not None and not isinstance(self.warm_start, bool):
             _fail("warm_start", f"expected True, False or None, got {self.warm_start!r}",
                   "None turns it on where a cache_dir is set")

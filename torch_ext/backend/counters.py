@@ -16,6 +16,8 @@ class BackendCounters:
     # Inputs of training pieces checked (and copied where needed) into their compiled layout at each call,
     # since the piece making them returns them with other strides than their fakes (runtime/layout.py)
     relaid_inputs: int = 0
+    # training_cudagraphs="whole": split training graphs replayed as one CUDA graph each (runtime/graphed_whole.py)
+    graphed_whole: int = 0
     # training_cudagraphs: .grad tensors still in the CUDA-graph pool at the next forward, copied out
     # (runtime/pool_gradients.py; gradient accumulation across micro-batches).
     pool_gradients_moved: int = 0

@@ -37,6 +37,7 @@ from torch_ext.backend.compile.stack_room import with_stack_room
 from torch_ext.backend.config import CompileConfig, resolve_op
 from torch_ext.backend.counters import counters
 from torch_ext.backend.runtime import layout
+from torch_ext.backend.runtime.graphed_whole import mutated_inputs, whole_capture_refusal
 from torch_ext.backend.runtime.pool_gradients import POOL_GRADIENTS, GraphedBackward, LeafScan
 from torch_ext.backend.runtime.straight_line import straight_line
 from torch_ext.backend.split.hoist import hoist_shared_values
@@ -45,8 +46,6 @@ from torch_ext.backend.split.splitter import all_calls, is_trivial, split_graph
 from torch_ext.backend.split.values import fill_missing_values
 
 log = logging.getLogger("torch_ext.backend")
-
-_RNG_STATE_HOPS = ("run_and_save_rng_state", "run_with_rng_state", "graphsafe_run_with_rng_state")
 
 
 def _decomposes(op: Any) -> bool:
@@ -123,7 +122,7 @@ class JointCompiler:
         state saved (forward) or restored (backward's recompute) in a checkpoint region on some torch."""
         if self.matcher.match(node) is not None:
             return True
-        return node.op == "call_function" and getattr(node.target, "__name__", None) in _RNG_STATE_HOPS and \
+        return compat.is_rng_state_hop(node) and \
             any(self.matcher.match_target(a) for a in node.args if isinstance(a, torch._ops.OpOverload))
 
     def _compile_graph(self, graph: fx.GraphModule, inputs, kwargs: dict, kind: str, label: str, wanted: int,
@@ -135,6 +134,7 @@ class JointCompiler:
             # Nothing to split at: Inductor's own compile of the graph, exactly as plain Inductor's.
             splits[kind] = graph
             return self.pieces.compile_whole(graph, inputs, kwargs, label)
+        whole = self._replayed_whole(graph, kwargs, label)
         fill_missing_values(graph.graph)  # a value crossing pieces is a piece's example input
         hoist_shared_values(graph, self.is_splitting)  # so that no layer's piece computes them for the rest
         split = split_graph(graph, self.is_splitting, "inline")
@@ -156,7 +156,8 @@ class JointCompiler:
                 target = peeled.remainder if peeled else gm
                 compiled[piece.name] = callables[piece.name] = self.pieces.compile(
                     target, is_backward=is_backward, is_inference=is_inference, label=f"{label} {piece.name}",
-                    cudagraphs=_cudagraph_arguments(target, kwargs, static_names))
+                    cudagraphs={"cudagraphs": compat.no_cudagraphs()} if whole else
+                    _cudagraph_arguments(target, kwargs, static_names))
                 if peeled:
                     compiled[piece.name] = callables[piece.name] = PeeledPiece(peeled, compiled[piece.name])
                 checks, sources = _inputs_laid_out_otherwise(split.split_gm, piece.name, gm, compiled)
@@ -174,7 +175,40 @@ class JointCompiler:
             dumper.graph(f"{kind}_split_graph.py", split.split_gm, f"the {kind} graph AOTAutograd made, split")
         run = straight_line(split.split_gm.graph, callables, label)
         dump.trace_artifact(f"torch_ext_{kind}_runner", lambda: run.source)
+        if whole:
+            return self._whole_graph(run, graph, kwargs, kind)
         return run
+
+    def _replayed_whole(self, graph: fx.GraphModule, kwargs: dict, label: str) -> bool:
+        """Whether the split graph is replayed as one CUDA graph (training_cudagraphs="whole", where
+        AOTAutograd asked for graphs and the graph can be one); where it cannot, its pieces are, said once."""
+        if self.config.training_cudagraphs != "whole" or not kwargs.get("cudagraphs"):
+            return False
+        if any(isinstance(v, torch.Tensor) and v.device.type != "cuda"
+               for v in (n.meta.get("val") for n in graph.graph.find_nodes(op="placeholder"))):
+            return False  # no CUDA graph at all: compile() said so
+        reason = whole_capture_refusal(graph, kwargs.get("static_input_idxs"))
+        if reason:
+            self._say_once(f"training_cudagraphs='whole': {label} replays its pieces as CUDA graphs of their own, "
+                           f"the splitting ops eagerly between them: {reason}")
+            return False
+        return True
+
+    @staticmethod
+    def _whole_graph(run: Callable, graph: fx.GraphModule, kwargs: dict, kind: str) -> Callable:
+        """`run` under the CUDA-graph trees as one graph; the forward tells AOTAutograd its device, as
+        Inductor's post-compile does (the backward's trees run under the forward's manager)."""
+        devices = [v.device.index for v in (n.meta.get("val") for n in graph.graph.find_nodes(op="placeholder"))
+                   if isinstance(v, torch.Tensor) and v.device.type == "cuda"]
+        boxed_device = kwargs.get("boxed_forward_device_index")
+        device = devices[0] if devices else boxed_device.value if boxed_device is not None else None
+        device = torch.cuda.current_device() if device is None else device
+        if kind == "forward" and boxed_device is not None:
+            boxed_device.set(device)
+        counters.graphed_whole += 1
+        return compat.cudagraph_trees_whole(run, graph, static_input_idxs=kwargs.get("static_input_idxs") or (),
+                                            mutated_input_idxs=mutated_inputs(graph.graph), device_index=device,
+                                            is_backward=kind == "backward", is_inference=kind == "inference")
 
     @staticmethod
     def _static_names(graph: fx.GraphModule, kwargs: dict, kind: str, forward_static: set[str]) -> set[str]:

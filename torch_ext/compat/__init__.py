@@ -16,6 +16,7 @@ from torch_ext.compat.aot import *  # noqa: F401,F403
 from torch_ext.compat.inductor import *  # noqa: F401,F403
 from torch_ext.compat.speculation import *  # noqa: F401,F403
 from torch_ext.compat.joint import *  # noqa: F401,F403
-from torch_ext.compat.rng_hops import direct_hop_call  # noqa: F401
+from torch_ext.compat.rng_hops import (GRAPH_SAFE_RNG_STATE_HOP, RNG_STATE_HOPS, direct_hop_call,  # noqa: F401
+                                      is_rng_state_hop)
 from torch_ext.compat.fx_tracing import *  # noqa: F401,F403
 from torch_ext.compat import versions  # noqa: F401  (tests patch the running release there)

@@ -78,3 +78,32 @@ def has_autograd_formula(op: Any) -> bool:
         return OPDEFS[qualname]._backward_fn is not None
     return any(torch._C._dispatch_has_kernel_for_dispatch_key(o.name(), key) for o in op_overloads(packet)
                for key in ("Autograd", "AutogradCPU", "AutogradCUDA", "CompositeImplicitAutograd"))
+
+
+def no_cudagraphs() -> Any:
+    """compile_fx_inner's `cudagraphs` argument that keeps a graph off CUDA graphs whatever
+    `triton.cudagraphs` says (a piece of a graph replayed whole). `BoxedBool`, 2.9.1-2.15."""
+    from torch._inductor.utils import BoxedBool
+
+    return BoxedBool(False)
+
+
+def cudagraph_trees_whole(run: Callable[[list], Any], graph: torch.fx.GraphModule, *, static_input_idxs: Sequence[int],
+                          mutated_input_idxs: Sequence[int], device_index: int, is_backward: bool,
+                          is_inference: bool) -> Callable[[list], Any]:
+    """`run` (boxed: the split graph's straight-line code) replayed by Inductor's CUDA-graph trees as
+    one graph, as Inductor's post-compile wraps a compiled graph: warm-up, record, replay; inputs
+    at `static_input_idxs` read in place, the rest copied in (or the trees' own outputs). Returns a
+    boxed callable. `compile_fx.cudagraphify` and `cudagraph_utils.get_placeholder_info`: 2.9.1-2.15
+    (2.15 adds keyword arguments with defaults)."""
+    from torch._inductor.compile_fx import cudagraphify
+    from torch._inductor.cudagraph_utils import get_placeholder_info
+
+    outputs = graph.graph.output_node().args[0]
+    count = len(outputs) if isinstance(outputs, (tuple, list)) else 1
+    replayed = cudagraphify(run, static_input_idxs=tuple(static_input_idxs), device_index=device_index,
+                            stack_traces=[None] * count, is_backward=is_backward, is_inference=is_inference,
+                            placeholders=get_placeholder_info(graph.graph),
+                            mutated_input_idxs=tuple(mutated_input_idxs))
+    replayed._boxed_call = True  # AOTAutograd hands it a list, as Inductor's code
+    return replayed

@@ -19,6 +19,17 @@ import torch
 
 from torch_ext.compat.runtime import no_modes_or_autocast_active
 
+# The HOPs AOTAutograd runs a random op in with the RNG state saved (forward) or restored (recompute),
+# by name. The graph-safe one (2.9.1-2.15: the partitioner's choice on one CUDA device unless
+# fallback_random) takes a generator that a CUDA graph registers, so a capture replays it; the other
+# two read and set the generator's state from Python, which a replay would not repeat.
+GRAPH_SAFE_RNG_STATE_HOP = "graphsafe_run_with_rng_state"
+RNG_STATE_HOPS = ("run_and_save_rng_state", "run_with_rng_state", GRAPH_SAFE_RNG_STATE_HOP)
+
+
+def is_rng_state_hop(node) -> bool:
+    """Whether an FX node calls one of RNG_STATE_HOPS."""
+    return node.op == "call_function" and getattr(node.target, "__name__", None) in RNG_STATE_HOPS
 
 def _device_of_plain(args, kwargs) -> str | None:
     """'cpu' or 'cuda' where every tensor argument is a plain tensor on that device type and no

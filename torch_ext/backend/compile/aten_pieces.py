@@ -71,9 +71,11 @@ class AtenPieceCompiler:
 
     def compile(self, gm: fx.GraphModule, *, is_backward: bool, is_inference: bool, label: str,
                 cudagraphs: dict | None = None) -> CompiledAtenPiece:
-        """`cudagraphs`: Inductor's CUDA-graph arguments for this piece (joint.py), None for none."""
+        """`cudagraphs`: Inductor's CUDA-graph arguments for this piece (joint.py), None for Inductor's
+        defaults."""
         single = _as_tuple_output(gm)
-        static = tuple(cudagraphs["static_input_idxs"]) if cudagraphs else None
+        graphed = bool(cudagraphs and cudagraphs.get("cudagraphs"))  # False: kept off graphs (replayed whole)
+        static = tuple(cudagraphs.get("static_input_idxs", ())) if graphed else None
         key = f"{graph_fingerprint(gm)}|backward={is_backward}|inference={is_inference}|cudagraphs={static}"
         if self.dedup and key in self._memo:
             return self._memo[key]
