@@ -62,8 +62,10 @@ def test_split_training_with_cudagraph_trees_matches_eager(attention, checkpoint
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert ext_counters.pool_gradients_moved == 0  # zero_grad() freed them: the gradients were never copied
     recorded = len(list(manager.ids_to_funcs))
-    if mode == "whole":  # the forward and the backward, splitting ops inside
-        assert ext_counters.graphed_whole == 2 and recorded == 2
+    if mode == "whole":  # the forward and the backward, splitting ops inside: one graph each
+        # (a direction with no splitting op in it, the custom op's backward without checkpointing, is
+        # Inductor's own whole compile, graphed by Inductor)
+        assert recorded == 2 and ext_counters.graphed_whole == (1 if attention == cm.CUSTOM and not checkpointing else 2)
     else:
         assert recorded >= 3 and ext_counters.graphed_whole == 0  # forward and backward pieces (layers share theirs)
     print(f"{attention} checkpointing={checkpointing} {mode}: {recorded} functions under CUDA-graph trees, "

@@ -52,8 +52,9 @@ def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
             if tensor.device.type == "meta":
                 continue
             storage = tensor.untyped_storage()
-        except Exception:  # sparse, nested: no single storage; half-built subclasses gc still sees
-            continue
-        if storage.data_ptr():
-            out[storage.data_ptr()] = storage.nbytes()
+            ptr = storage.data_ptr()
+        except Exception:  # sparse, nested: no single storage; half-built subclasses gc still sees; a
+            continue       # CUDA-graph output a later replay overwrote (its memory is the pool's)
+        if ptr:
+            out[ptr] = storage.nbytes()
     return out
