@@ -25,7 +25,6 @@ except ImportError:
     InvokeSubgraphHigherOrderVariable = _hops.InvokeSubgraphHigherOrderVariable
 
 
-
 def region_reuse_eligibility():
     """(module, name) of Dynamo's check whether a traced region's result may be stamped out for later
     calls (subgraph reuse, REGION_REUSE_FLATTENS_OUTPUT_TYPE), or None on a torch without reuse."""

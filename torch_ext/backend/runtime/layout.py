@@ -83,18 +83,27 @@ def has_layout(x: torch.Tensor, check: LayoutCheck) -> bool:
     return True
 
 
-def with_layouts(args: tuple, checks: tuple[LayoutCheck, ...], piece: str, sources: dict[int, str]) -> tuple:
-    """args, with each checked tensor that is laid out otherwise replaced by a copy in its layout."""
-    fixed = None
+def relay(args: list, checks: tuple[LayoutCheck, ...], piece: str, sources: dict[int, str]) -> bool:
+    """Replace in the list `args` each checked tensor laid out otherwise by a copy in its layout;
+    whether any was."""
+    changed = False
     for check in checks:
         x = args[check.index]
         if has_layout(x, check) or x.numel() == 0:
             continue
-        if fixed is None:
-            fixed = list(args)
-        fixed[check.index] = _copy_in_order(x, check.order)
+        args[check.index] = _copy_in_order(x, check.order)
         _say(piece, check.index, x, sources.get(check.index, "the graph"))
-    return args if fixed is None else tuple(fixed)
+        changed = True
+    return changed
+
+
+def with_layouts(args: tuple, checks: tuple[LayoutCheck, ...], piece: str, sources: dict[int, str]) -> tuple:
+    """args, with each checked tensor that is laid out otherwise replaced by a copy in its layout."""
+    if all(has_layout(args[check.index], check) or args[check.index].numel() == 0 for check in checks):
+        return args  # the usual call: no list made
+    fixed = list(args)
+    relay(fixed, checks, piece, sources)
+    return tuple(fixed)
 
 
 def _copy_in_order(x: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
@@ -135,8 +144,8 @@ class LaidOutPiece:
     """A boxed compiled piece of a graph differentiated once (backend/joint.py) whose inputs at `checks`
     come from an earlier piece that returns them laid out otherwise than this piece was compiled for: a
     view of its own input, whose real strides its fake did not have (AOTAutograd's backward graph holds
-    `expand` of a loss's scalar tangent with contiguous strides on 2.15, stride 0 in fact). Each such
-    input is copied into the compiled layout where it differs; said once."""
+    `expand` of a loss's scalar tangent with contiguous strides on 2.14.1 and 2.15, stride 0 in fact).
+    Each such input is copied into the compiled layout where it differs; said once."""
 
     _boxed_call = True
 
@@ -145,9 +154,5 @@ class LaidOutPiece:
         self.output_strides = compiled.output_strides
 
     def __call__(self, args: list):
-        for check in self.checks:
-            x = args[check.index]
-            if not has_layout(x, check) and x.numel() != 0:
-                args[check.index] = _copy_in_order(x, check.order)
-                _say(self.label, check.index, x, self.sources[check.index])
+        relay(args, self.checks, self.label, self.sources)
         return self.compiled(args)
