@@ -52,8 +52,9 @@ class UnusedConfigReporter:
                 and "training/cudagraphs" not in self._said:
             self._said.add("training/cudagraphs")
             log.warning("torch_ext: cudagraph_mode=%r applies to inference graphs; training graph %d runs without "
-                        "CUDA graphs (CompileConfig.training_cudagraphs=True replays its pieces with Inductor's "
-                        "CUDA-graph trees).", self.config.cudagraph_mode, index)
+                        "CUDA graphs (CompileConfig.training_cudagraphs=\"whole\" replays it with Inductor's "
+                        "CUDA-graph trees, one graph per direction; \"pieces\" where the splitting ops cannot be "
+                        "captured).", self.config.cudagraph_mode, index)
 
     def _splitting_ops(self, gm: fx.GraphModule, index: int, runs: torch.nn.Module) -> None:
         unmatched = unmatched_splitting_ops(gm, self.matcher)
