@@ -224,6 +224,12 @@ def test_whole_capture_refuses_rng_state_hops_cpu_work_and_written_inputs():
 
     written = _aten_graph(writes, torch.randn(2, 2), torch.randn(2, 2))
     assert mutated_inputs(written.graph) == [0]
+
+    def writes_a_list(x, w, b):
+        torch._foreach_add_([w, b], 1.0)
+        return x + 1
+
+    assert mutated_inputs(_aten_graph(writes_a_list, torch.randn(2), torch.randn(2), torch.randn(2)).graph) == [1, 2]
     for node in written.graph.nodes:  # no device to refuse: only the write is left
         node.meta.pop("val", None)
     reason = whole_capture_refusal(written, ())

@@ -32,8 +32,11 @@ def mutated_inputs(graph: fx.Graph) -> list[int]:
         arguments = node.target._schema.arguments
         given = list(zip(arguments, node.args)) + [(a, node.kwargs[a.name]) for a in arguments if a.name in node.kwargs]
         for argument, value in given:
-            if argument.alias_info is not None and argument.alias_info.is_write and value in position:
-                mutated.add(position[value])
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            for written in value if isinstance(value, (list, tuple)) else (value,):  # Tensor(a!)[]: a list
+                if isinstance(written, fx.Node) and written in position:
+                    mutated.add(position[written])
     return sorted(mutated)
 
 
