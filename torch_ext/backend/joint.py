@@ -184,8 +184,7 @@ class JointCompiler:
         AOTAutograd asked for graphs and the graph can be one); where it cannot, its pieces are, said once."""
         if self.config.training_cudagraphs != "whole" or not kwargs.get("cudagraphs"):
             return False
-        if any(isinstance(v, torch.Tensor) and v.device.type != "cuda"
-               for v in (n.meta.get("val") for n in graph.graph.find_nodes(op="placeholder"))):
+        if any(device.type != "cuda" for device in _input_devices(graph)):
             return False  # no CUDA graph at all: compile() said so
         reason = whole_capture_refusal(graph, kwargs.get("static_input_idxs"))
         if reason:
@@ -198,11 +197,11 @@ class JointCompiler:
     def _whole_graph(run: Callable, graph: fx.GraphModule, kwargs: dict, kind: str) -> Callable:
         """`run` under the CUDA-graph trees as one graph; the forward tells AOTAutograd its device, as
         Inductor's post-compile does (the backward's trees run under the forward's manager)."""
-        devices = [v.device.index for v in (n.meta.get("val") for n in graph.graph.find_nodes(op="placeholder"))
-                   if isinstance(v, torch.Tensor) and v.device.type == "cuda"]
         boxed_device = kwargs.get("boxed_forward_device_index")
-        device = devices[0] if devices else boxed_device.value if boxed_device is not None else None
-        device = torch.cuda.current_device() if device is None else device
+        device = next((d.index for d in _input_devices(graph) if d.index is not None), None)
+        if device is None:  # no tensor input with an index: the forward's, else the current one
+            device = boxed_device.value if boxed_device is not None and boxed_device.value is not None \
+                else torch.cuda.current_device()
         if kind == "forward" and boxed_device is not None:
             boxed_device.set(device)
         counters.graphed_whole += 1
@@ -244,6 +243,12 @@ class JointCompiler:
         if message not in self._said:
             self._said.add(message)
             log.warning("torch_ext: %s", message)
+
+
+def _input_devices(graph: fx.GraphModule) -> list[torch.device]:
+    """Devices of the graph's tensor inputs (from their fakes)."""
+    return [value.device for value in (node.meta.get("val") for node in graph.graph.find_nodes(op="placeholder"))
+            if isinstance(value, torch.Tensor)]
 
 
 def _producer(value: Any) -> tuple[str, int] | None:
