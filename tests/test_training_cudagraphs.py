@@ -1,6 +1,7 @@
 """CompileConfig.training_cudagraphs on the CPU (tests/test_training_cudagraphs_gpu.py replays the
 graphs): the option is checked, a CPU graph trains as without it and says once that nothing is
-captured, and the arguments handed to Inductor for a piece mark exactly the parameters static."""
+captured, and the arguments handed to Inductor for a piece mark exactly the parameters static;
+"whole" refuses what a single capture could not replay, and hands the trees one graph per direction."""
 from __future__ import annotations
 
 import copy
@@ -18,7 +19,11 @@ def test_it_needs_the_training_graph_differentiated_once():
         CompileConfig(training_cudagraphs=True, differentiate_once=False)
 
 
-def test_a_cpu_graph_trains_as_without_it_and_says_so_once(caplog, monkeypatch):
+@pytest.mark.parametrize("mode", [True, "whole"])
+def test_a_cpu_graph_trains_as_without_it_and_says_so_once(caplog, monkeypatch, mode):
+    from torch_ext.backend.counters import counters
+
+    counters.reset()
     seen = []
     original = compat.compile_aten_graph
 
@@ -32,7 +37,7 @@ def test_a_cpu_graph_trains_as_without_it_and_says_so_once(caplog, monkeypatch):
     model = cm.CheckpointedModel(layers=2, d=16, attention=cm.CUSTOM)
     reference = copy.deepcopy(model)
     x = torch.randn(2, 8, 16)
-    backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=[cm.CUSTOM], training_cudagraphs=True))
+    backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=[cm.CUSTOM], training_cudagraphs=mode))
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     with caplog.at_level("WARNING", logger="torch_ext.backend"):
         for _ in range(2):
@@ -42,7 +47,8 @@ def test_a_cpu_graph_trains_as_without_it_and_says_so_once(caplog, monkeypatch):
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
     said = [r.getMessage() for r in caplog.records if "training_cudagraphs" in r.getMessage()]
-    assert len(said) == 1 and "['cpu']" in said[0]
+    assert len(said) == 1 and "['cpu']" in said[0]  # "whole" adds nothing: nothing is captured
+    assert counters.graphed_whole == 0
     # The first piece was handed the CUDA-graph arguments (Inductor turns them off for the rest on a
     # CPU): static are the parameters, by their forward names, and nothing else.
     placeholders, arguments = seen[0]
@@ -174,29 +180,6 @@ def test_its_modes(value, mode):
 def test_another_value_is_refused_with_the_modes_named(value):
     with pytest.raises(ValueError, match="training_cudagraphs.*'pieces', 'whole'"):
         CompileConfig(cache_dir=None, training_cudagraphs=value)
-
-
-def test_whole_on_a_cpu_graph_trains_as_without_it_and_says_so_once(caplog):
-    """"whole" on a CPU: nothing is captured, the one CPU note is all that is said, gradients as eager."""
-    from torch_ext.backend.counters import counters
-
-    torch._dynamo.reset()
-    counters.reset()
-    model = cm.CheckpointedModel(layers=2, d=16, attention=cm.CUSTOM)
-    reference = copy.deepcopy(model)
-    x = torch.randn(2, 8, 16)
-    backend = make_backend(CompileConfig(cache_dir=None, splitting_ops=[cm.CUSTOM], training_cudagraphs="whole"))
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    with caplog.at_level("WARNING", logger="torch_ext.backend"):
-        for _ in range(2):
-            compiled(x).backward()
-    reference(x).backward()
-    reference(x).backward()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
-    said = [r.getMessage() for r in caplog.records if "training_cudagraphs" in r.getMessage()]
-    assert len(said) == 1 and "['cpu']" in said[0]
-    assert counters.graphed_whole == 0
 
 
 def _aten_graph(fn, *args):
