@@ -200,7 +200,8 @@ class CompileConfig:
     # True): each compiled piece of the forward and backward graphs is a graph, the splitting ops run
     # eagerly between them. "whole": the forward and the backward are one graph each, the splitting ops
     # captured too (they must be capturable: no host sync, nothing on the CPU that must run every step);
-    # a graph that cannot be (RNG state saved around a splitting op, CPU tensors) keeps "pieces", said once.
+    # a graph that cannot be (RNG state set from Python around a random op, CPU work, a non-static input
+    # written) keeps "pieces", said once.
     training_cudagraphs: bool | str = False
     # Inductor CustomGraphPass-style passes run post-grad through torch_ext.backend.passes.PassManager.
     post_grad_passes: tuple[Any, ...] = dataclasses.field(default=(), hash=False)

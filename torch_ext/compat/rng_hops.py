@@ -31,6 +31,7 @@ def is_rng_state_hop(node) -> bool:
     """Whether an FX node calls one of RNG_STATE_HOPS."""
     return node.op == "call_function" and getattr(node.target, "__name__", None) in RNG_STATE_HOPS
 
+
 def _device_of_plain(args, kwargs) -> str | None:
     """'cpu' or 'cuda' where every tensor argument is a plain tensor on that device type and no
     gradient would be recorded; else None (the HOP decides)."""
