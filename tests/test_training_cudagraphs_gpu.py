@@ -151,9 +151,10 @@ import checkpoint_models as cm
 from torch._dynamo.utils import counters
 from torch._inductor import cudagraph_trees
 from torch_ext.backend import CompileConfig, make_backend
+from torch_ext.backend.counters import counters as ext_counters
 model = cm.CheckpointedModel(layers=3, d=32, attention=cm.CUSTOM).cuda()
 x = torch.randn(2, 16, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-config = CompileConfig(cache_dir=sys.argv[1], splitting_ops=(cm.CUSTOM,), training_cudagraphs=True)
+config = CompileConfig(cache_dir=sys.argv[1], splitting_ops=(cm.CUSTOM,), training_cudagraphs=sys.argv[3])
 compiled = torch.compile(model, backend=make_backend(config), fullgraph=True)
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 losses = []
@@ -167,13 +168,15 @@ manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manage
 print(json.dumps({"losses": losses, "fx_misses": counters["inductor"]["fxgraph_cache_miss"],
                   "fx_hits": counters["inductor"]["fxgraph_cache_hit"],
                   "graphed": len(list(manager.ids_to_funcs)) if manager else 0,
-                  "skips": counters["inductor"]["cudagraph_skips"]}))
+                  "skips": counters["inductor"]["cudagraph_skips"], "whole": ext_counters.graphed_whole}))
 """
 
 
-def test_a_new_process_loads_the_graphed_training_pieces_and_trains_the_same(tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_new_process_loads_the_graphed_training_pieces_and_trains_the_same(tmp_path, mode):
     """Warm start of training_cudagraphs: the second process compiles no piece (Inductor's FX-graph
-    cache serves them), still replays them under the CUDA-graph trees, and its losses are the first's."""
+    cache serves them), still replays them under the CUDA-graph trees ("whole": one graph per
+    direction again), and its losses are the first's."""
     import json
     import os
     import subprocess
@@ -182,7 +185,8 @@ def test_a_new_process_loads_the_graphed_training_pieces_and_trains_the_same(tmp
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
 
     def run():
-        out = subprocess.run([sys.executable, "-c", _WARM_WORKER, str(tmp_path / "ext"), os.path.dirname(__file__)],
+        out = subprocess.run([sys.executable, "-c", _WARM_WORKER, str(tmp_path / "ext"), os.path.dirname(__file__),
+                              mode],
                              capture_output=True, text=True, timeout=300, env=env)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -190,7 +194,11 @@ def test_a_new_process_loads_the_graphed_training_pieces_and_trains_the_same(tmp
     cold, warm = run(), run()
     print(f"cold {cold}\nwarm {warm}")
     assert cold["fx_misses"] >= 2 and warm["fx_misses"] == 0 and warm["fx_hits"] >= 2
-    assert warm["graphed"] == cold["graphed"] >= 3 and warm["skips"] == cold["skips"] == 0
+    assert warm["graphed"] == cold["graphed"] and warm["skips"] == cold["skips"] == 0
+    if mode == "whole":  # the forward and the backward, the custom op inside both (checkpointed)
+        assert cold["graphed"] == 2 and warm["whole"] == cold["whole"] == 2
+    else:
+        assert cold["graphed"] >= 3 and warm["whole"] == cold["whole"] == 0
     assert warm["losses"] == pytest.approx(cold["losses"], rel=1e-6)
 
 

@@ -3,8 +3,13 @@ read once) against one per query head over the repeated cache (what the kernel d
 math, each cache byte read `groups` times), and SDPA over HF's repeat_kv.
 
     python bench/dev/decode_attention_op.py [--shapes 8x16x4x2048,...] [--sweep]
+    python bench/dev/decode_attention_op.py --grid [--head-dim 128]   # beside FlashInfer (issue 47)
 
 Shapes are batch x heads x kv heads x cache length, head dim 128, bf16, a bool mask over the cache.
+--grid: batch 1, 8, 32 x cache length 256-8192 x GQA ratio 1-8 (32 query heads), our op against
+FlashInfer's decode kernel (bench/dev/flashinfer_peer.py; the cache is its one-page-per-sequence HND
+layout, so both read the same tensors; our op also reads a bool mask, all true, as HF's static cache
+passes one) and the max difference between the two.
 Microseconds per call (CUDA events over replays of a CUDA graph of 48 calls, cycling through copies of
 the cache that together pass any L2), and x floor: the cache bytes (k and v, read once) /
 device-to-device copy bandwidth. --sweep times every (target programs, tile, warps, stages) of each
@@ -52,6 +57,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="8x16x4x2048,1x16x4x2048,32x32x8x1024,32x16x16x256,1x16x16x256")
     parser.add_argument("--sweep", action="store_true", help="every tile / warps / stages config of each kernel")
+    parser.add_argument("--grid", action="store_true", help="batches x lengths x GQA ratios, beside FlashInfer")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--lengths", default="256,1024,2048,4096,8192")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/dev/decode_attention_op.py needs a CUDA GPU.")
@@ -61,6 +70,8 @@ def main() -> int:
     from torch_ext.kernels.decode_attention import decode_attention_triton
 
     bandwidth = copy_bandwidth()
+    if args.grid:
+        return grid(args, bandwidth, decode_attention_triton)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, head dim 128; copy bandwidth "
           f"{bandwidth / 1e12:.2f} TB/s; us per call (x floor)")
     rows = []
@@ -96,6 +107,50 @@ def main() -> int:
         print_table(["b x h x hkv x L", "floor us", "the op (grouped where hkv < h)", "per query head",
                      "SDPA + repeat_kv", "max |grouped - per head|"], rows)
     return 0
+
+
+def grid(args, bandwidth, op) -> int:
+    """Our op beside FlashInfer's decode kernel over the issue's grid; a row per shape."""
+    from flashinfer_peer import decode_calls, flashinfer_status
+    from harness import print_table
+
+    d, h = args.head_dim, 32
+    missing = flashinfer_status(d)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, head dim {d}, {h} query heads; copy "
+          f"bandwidth {bandwidth / 1e12:.2f} TB/s; us per call (x floor); {missing or 'FlashInfer ' + _version()}")
+    rows = []
+    for b in (int(x) for x in args.batches.split(",")):
+        for length in (int(x) for x in args.lengths.split(",")):
+            for ratio in (1, 2, 4, 8):
+                hkv = h // ratio
+                q = torch.randn(b, h, 1, d, device="cuda", dtype=torch.bfloat16)
+                cache_bytes = 2 * b * hkv * length * d * 2
+                copies = max(1, -(-256 * 2**20 // cache_bytes))
+                caches = [[torch.randn(b, hkv, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+                          for _ in range(copies)]
+                mask = torch.ones(b, 1, 1, length, device="cuda", dtype=torch.bool)
+                floor = cache_bytes / bandwidth * 1e6
+                ours = per_call_us([lambda k=k, v=v: op(q, k, v, mask, d ** -0.5) for k, v in caches])
+                cells = [f"{b}x{h}x{hkv}x{length}", f"{floor:.1f}", f"{ours:.1f} ({ours / floor:.2f})"]
+                if missing:
+                    cells += ["-", "-", "-"]
+                else:
+                    theirs_calls = decode_calls(q, caches, length)
+                    theirs = per_call_us(theirs_calls)
+                    err = (op(q, *caches[0], mask, d ** -0.5)[:, :, 0].float() - theirs_calls[0]().float()).abs().max()
+                    cells += [f"{theirs:.1f} ({theirs / floor:.2f})", f"{ours / theirs:.2f}", f"{err.item():.1e}"]
+                rows.append(cells)
+                del caches
+                print(" | ".join(cells), file=sys.stderr, flush=True)
+    print_table(["b x h x hkv x L", "floor us", "torch_ext", "FlashInfer", "torch_ext / FlashInfer",
+                 "max |difference|"], rows)
+    return 0
+
+
+def _version() -> str:
+    import flashinfer
+
+    return getattr(flashinfer, "__version__", "?")
 
 
 def sweep(shape, floor, q, caches, mask, op) -> None:
