@@ -24,7 +24,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ON = {"decode_attention": True, "cache_dir": None}
 
 KERNEL_CHECK = r'''
-import sys, torch
+import itertools, sys, torch
+from torch_ext.kernels import decode_attention as module
 from torch_ext.kernels.decode_attention import decode_attention_reference as ref, decode_attention_triton as tri
 torch.manual_seed(0)
 cases = [(1, 4, 4, 100, 64, None), (2, 8, 2, 300, 128, "bool"), (3, 4, 1, 64, 32, "float"),
@@ -34,7 +35,10 @@ cases = [(1, 4, 4, 100, 64, None), (2, 8, 2, 300, 128, "bool"), (3, 4, 1, 64, 32
          (2, 8, 2, 77, 24, "float_heads"), (134, 4, 2, 9, 8, "bool"),  # grouped: per-head mask; b * hkv >= 264
          (2, 40, 2, 130, 16, "none_masked")]  # 20 heads a group: 32 rows of one tl.dot
 worst = 0.0
-for b, h, hkv, L, d, kind in cases:
+for (b, h, hkv, L, d, kind), tc in itertools.product(cases, (False, True)):  # MHA on both of its kernels
+    if tc and h != hkv:
+        continue
+    module.MHA_ON_TENSOR_CORES = tc
     kv_b = 1 if kind == "shared_cache" else b
     q = torch.randn(b, h, 1, d)
     k = torch.randn(kv_b, hkv, L + 5, d)[:, :, :L]  # a slice of a longer cache
@@ -48,7 +52,7 @@ for b, h, hkv, L, d, kind in cases:
     expected = ref(q.double(), k.double(), v.double(), m64, 0.7 / d ** 0.5)
     assert not out.isnan().any(), kind
     err = ((out.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
-    assert err < 1e-5 or (kind == "none_masked" and out.abs().max() == 0), (b, h, hkv, L, d, kind, err)
+    assert err < 1e-5 or (kind == "none_masked" and out.abs().max() == 0), (b, h, hkv, L, d, kind, tc, err)
     worst = max(worst, err if kind != "none_masked" else 0.0)
 empty = tri(torch.randn(2, 4, 1, 8), torch.randn(2, 2, 0, 8), torch.randn(2, 2, 0, 8), None, 0.3)
 assert empty.shape == (2, 4, 1, 8) and not empty.any()  # an empty cache: zeros, as SDPA
@@ -59,6 +63,24 @@ print("WORST", worst)
 @pytest.mark.slow
 def test_triton_kernels_equal_a_float64_reference_in_the_interpreter():
     run_in_interpreter(KERNEL_CHECK)
+
+
+def test_mha_takes_the_tensor_core_kernel_where_its_rows_fill_the_gpu():
+    """MHA rows go to the grouped kernel (one real row of a 16-row tl.dot) from 128 rows on; grouped
+    heads always; the module switch forces either (the benches compare both)."""
+    from torch_ext.kernels import decode_attention as op
+
+    assert op.MHA_ON_TENSOR_CORES is None
+    assert op.grouped(8, 32, 32) and op.grouped(4, 32, 32) and op.grouped(1, 32, 8)
+    assert not op.grouped(1, 32, 32) and not op.grouped(2, 32, 32) and not op.grouped(8, 12, 12)
+    assert op.config_kind(8, 32, 32) == "grouped" and op.config_kind(1, 32, 32) == "per_head"
+    try:
+        op.MHA_ON_TENSOR_CORES = True
+        assert op.grouped(1, 32, 32)
+        op.MHA_ON_TENSOR_CORES = False
+        assert not op.grouped(8, 32, 32) and op.grouped(8, 32, 8)
+    finally:
+        op.MHA_ON_TENSOR_CORES = None
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])

@@ -7,13 +7,14 @@ math, each cache byte read `groups` times), and SDPA over HF's repeat_kv.
 
 Shapes are batch x heads x kv heads x cache length, head dim 128, bf16, a bool mask over the cache.
 --grid: batch 1, 8, 32 x cache length 256-8192 x GQA ratio 1-8 (32 query heads), our op against
-FlashInfer's decode kernel (bench/dev/flashinfer_peer.py; the cache is its one-page-per-sequence HND
+FlashInfer's decode kernel and its tensor-core path (bench/dev/flashinfer_peer.py; the cache is its one-page-per-sequence HND
 layout, so both read the same tensors; our op also reads a bool mask, all true, as HF's static cache
 passes one) and the max difference between the two.
 Microseconds per call (CUDA events over replays of a CUDA graph of 48 calls, cycling through copies of
 the cache that together pass any L2), and x floor: the cache bytes (k and v, read once) /
 device-to-device copy bandwidth. --sweep times every (target programs, tile, warps, stages) of each
-shape's kernel against the op's default (kernels/decode_attention.py's _TARGET_PROGRAMS and _CONFIG).
+shape's kernel against the op's default (kernels/decode_attention.py's _TARGET_PROGRAMS and _CONFIG),
+MHA shapes also through the grouped (tensor-core) kernel.
 """
 from __future__ import annotations
 
@@ -114,10 +115,14 @@ def grid(args, bandwidth, op) -> int:
     from flashinfer_peer import decode_calls, flashinfer_status
     from harness import print_table
 
+    from torch_ext.kernels import decode_attention as module
+
     d, h = args.head_dim, 32
-    missing = flashinfer_status(d)
+    peers = {"FlashInfer": False, "FlashInfer tc": True}  # its decode kernel; its prefill kernel on tensor cores
+    missing = {name: flashinfer_status(d, tc) for name, tc in peers.items()}
+    status = "; ".join(f"{name}: {why}" for name, why in missing.items() if why) or f"FlashInfer {_version()}"
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, head dim {d}, {h} query heads; copy "
-          f"bandwidth {bandwidth / 1e12:.2f} TB/s; us per call (x floor); {missing or 'FlashInfer ' + _version()}")
+          f"bandwidth {bandwidth / 1e12:.2f} TB/s; us per call (x floor); {status}")
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
         for length in (int(x) for x in args.lengths.split(",")):
@@ -131,19 +136,34 @@ def grid(args, bandwidth, op) -> int:
                 mask = torch.ones(b, 1, 1, length, device="cuda", dtype=torch.bool)
                 floor = cache_bytes / bandwidth * 1e6
                 ours = per_call_us([lambda k=k, v=v: op(q, k, v, mask, d ** -0.5) for k, v in caches])
+                expected = op(q, *caches[0], mask, d ** -0.5)[:, :, 0].float()
                 cells = [f"{b}x{h}x{hkv}x{length}", f"{floor:.1f}", f"{ours:.1f} ({ours / floor:.2f})"]
-                if missing:
-                    cells += ["-", "-", "-"]
+                if ratio == 1:  # MHA: also its other kernel
+                    saved, module.MHA_ON_TENSOR_CORES = module.MHA_ON_TENSOR_CORES, not module.grouped(b, h, hkv)
+                    try:
+                        other = per_call_us([lambda k=k, v=v: op(q, k, v, mask, d ** -0.5) for k, v in caches])
+                    finally:
+                        module.MHA_ON_TENSOR_CORES = saved
+                    tag = "tc" if not module.grouped(b, h, hkv) else "per head"
+                    cells.append(f"{other:.1f} ({other / floor:.2f}) {tag}")
                 else:
-                    theirs_calls = decode_calls(q, caches, length)
-                    theirs = per_call_us(theirs_calls)
-                    err = (op(q, *caches[0], mask, d ** -0.5)[:, :, 0].float() - theirs_calls[0]().float()).abs().max()
-                    cells += [f"{theirs:.1f} ({theirs / floor:.2f})", f"{ours / theirs:.2f}", f"{err.item():.1e}"]
+                    cells.append("-")
+                best, err = None, 0.0
+                for name, tc in peers.items():
+                    if missing[name]:
+                        cells.append("-")
+                        continue
+                    calls = decode_calls(q, caches, length, tc)
+                    theirs = per_call_us(calls)
+                    err = max(err, (expected - calls[0]().float()).abs().max().item())
+                    best = theirs if best is None else min(best, theirs)
+                    cells.append(f"{theirs:.1f} ({theirs / floor:.2f})")
+                cells += [f"{ours / best:.2f}" if best else "-", f"{err:.1e}"]
                 rows.append(cells)
                 del caches
                 print(" | ".join(cells), file=sys.stderr, flush=True)
-    print_table(["b x h x hkv x L", "floor us", "torch_ext", "FlashInfer", "torch_ext / FlashInfer",
-                 "max |difference|"], rows)
+    print_table(["b x h x hkv x L", "floor us", "torch_ext", "torch_ext, its other MHA kernel", *peers,
+                 "torch_ext / best FlashInfer", "max |difference|"], rows)
     return 0
 
 
@@ -154,29 +174,40 @@ def _version() -> str:
 
 
 def sweep(shape, floor, q, caches, mask, op) -> None:
-    """Every (tile, warps, stages) of the kernel this shape runs, against the op's default."""
+    """Every (tile, warps, stages) of the kernel this shape runs, against the op's default; for MHA
+    shapes the default against the other MHA kernel ("tc": kernels/decode_attention.py's
+    MHA_ON_TENSOR_CORES) over programs x tiles x 4/8 warps x 2/3 stages."""
     import itertools
 
     from torch_ext.kernels import decode_attention as module
 
-    kind = module.config_kind(q.shape[0], q.shape[1], caches[0][0].shape[1])
-    default = module._CONFIG[kind]
     reference = module.decode_attention_reference(q, *caches[0], mask, q.shape[-1] ** -0.5).float()
+    target, rule, saved = module._TARGET_PROGRAMS, module.MHA_ON_TENSOR_CORES, dict(module._CONFIG)
+    on_tc = module.grouped(q.shape[0], q.shape[1], caches[0][0].shape[1])
+    default_kind = module.config_kind(q.shape[0], q.shape[1], caches[0][0].shape[1])
+    default = (on_tc, target, *saved[default_kind])
     timed = []
-    target = module._TARGET_PROGRAMS
+    configs = list(itertools.product(sorted({target, 16, 64, 132, 528}), [32, 64, 128], [2, 4, 8], [1, 2, 3]))
+    candidates = [(on_tc, p, (n, w, st)) for p, n, w, st in configs]
+    if q.shape[1] == caches[0][0].shape[1]:  # MHA: the default against the other kernel's narrower sweep
+        candidates = [default[:2] + (default[2:],)] + [
+            (not on_tc, p, (n, w, st)) for p, n, w, st in configs if p in (target, 132, 528) and w in (4, 8)
+            and st in (2, 3)]
     try:  # also the programs the cache is split over (fewer: fewer splits, one split = no combine kernel)
-        for programs, config in itertools.product(sorted({target, 16, 64, 132, 528}),
-                                                  itertools.product([32, 64, 128], [2, 4, 8], [1, 2, 3])):
-            module._TARGET_PROGRAMS = programs
-            module._CONFIG[kind] = config
+        for tc, programs, config in candidates:
+            module.MHA_ON_TENSOR_CORES, module._TARGET_PROGRAMS = tc, programs
+            module._CONFIG[module.config_kind(q.shape[0], q.shape[1], caches[0][0].shape[1])] = config
             err = (op(*caches[0])().float() - reference).abs().max().item()
-            timed.append((per_call_us([op(k, v) for k, v in caches], calls=24, replays=10), (programs, *config), err))
+            us = per_call_us([op(k, v) for k, v in caches], calls=24, replays=10)
+            timed.append((us, (tc, programs, *config), err))
     finally:
-        module._CONFIG[kind], module._TARGET_PROGRAMS = default, target
+        module._CONFIG.update(saved)
+        module._TARGET_PROGRAMS, module.MHA_ON_TENSOR_CORES = target, rule
     timed.sort()
-    now = next(t for t in timed if t[1] == (target, *default))
-    print(f"{shape} ({kind}): floor {floor:.1f} us; default (programs, tile, warps, stages) {(target, *default)}: "
-          f"{now[0]:.1f} us; best: " + ", ".join(f"{us:.1f} {config} (err {err:.0e})" for us, config, err in timed[:5]))
+    now = next(t for t in timed if t[1] == default)
+    print(f"{shape} ({default_kind}): floor {floor:.1f} us; default (tc, programs, tile, warps, stages) {default}: "
+          f"{now[0]:.1f} us; best: " + ", ".join(f"{us:.1f} {config} (err {err:.0e})" for us, config, err in timed[:6]),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -33,12 +33,27 @@ _TARGET_PROGRAMS = 264  # about two waves of an H100's 132 SMs
 # is one program walking its whole cache (21 vs 24 us at 32x16x16x256), large ones where rows split it
 # (37 vs 47 us at 8x16x16x2048).
 _CONFIG = {"grouped": (64, 4, 2), "per_head": (64, 4, 2), "per_head_one_split": (32, 2, 2)}
+# Heads with a kv head each (MHA) through the grouped kernel too where their rows fill the GPU: one
+# real row of its 16-row tl.dot, the scores and the weighted sum on tensor cores instead of per-slot
+# CUDA-core accumulators (H200, 32 heads x 2048 positions: 66.9 against 79.8 us at batch 8, FlashInfer's
+# decode kernel 63.7), but not a batch of one, whose 32 rows split the cache (43.4 against 38.7 us at 8192
+# positions; bench/results/decode_attention_flashinfer_tc_h200_torch2.11.log). None: that rule;
+# True / False: always / never (the benches' comparisons).
+MHA_ON_TENSOR_CORES: bool | None = None
+_MHA_TENSOR_CORE_ROWS = 128
+
+
+def grouped(b: int, h: int, hkv: int) -> bool:
+    """Whether a launch takes the grouped (tensor-core) kernel: grouped heads, or MHA rows enough."""
+    if h > hkv:
+        return True
+    return b * h >= _MHA_TENSOR_CORE_ROWS if MHA_ON_TENSOR_CORES is None else MHA_ON_TENSOR_CORES
 
 
 def config_kind(b: int, h: int, hkv: int) -> str:
     """Which _CONFIG entry a launch takes: the grouped kernel, or the per-head one with rows that
     split the cache or rows that are one program each (as many as the target: one split)."""
-    if h > hkv:
+    if grouped(b, h, hkv):
         return "grouped"
     return "per_head" if b * h < _TARGET_PROGRAMS else "per_head_one_split"
 
@@ -91,7 +106,7 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
     groups = h // hkv
     # Grouped heads: one program serves the query heads of one kv head, so each cache byte is read once
     # (a program per query head read it `groups` times: 4.3x the cache's bytes, H100, 4 of 16 heads).
-    rows = b * hkv if groups > 1 else b * h
+    rows = b * hkv  # (b * h where groups == 1)
     block_n, warps, stages = _CONFIG[config_kind(b, h, hkv)]
     tiles = triton.cdiv(length, block_n)
     splits = max(1, min(tiles, triton.cdiv(_TARGET_PROGRAMS, rows)))
@@ -118,7 +133,7 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
             h, groups, length, per_split, d, splits)
     flags = dict(HAS_MASK=mask is not None, BOOL_MASK=is_bool, DIRECT=direct, BLOCK_N=block_n, BLOCK_D=block_d,
                  num_warps=warps, num_stages=stages, PDL=pdl, **launch)
-    if groups > 1:  # tl.dot needs 16 rows: the group's heads, padded
+    if grouped(b, h, hkv):  # tl.dot needs 16 rows: the group's heads, padded
         flags["BLOCK_D"] = max(16, block_d)  # tl.dot's smallest K
         grouped_kernel[(rows, splits)](*args, BLOCK_G=max(16, triton.next_power_of_2(groups)),
                                        IEEE=q.dtype == torch.float32, **flags)
