@@ -64,6 +64,7 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
   ext-row-n8-p1024-k512-w4 (any numbers): the one-row path's features a program, weight columns loaded
               before the wait, columns a tile, warps (default 4 / up to 2048 / 512 / 4)
   ext-attn1   ext with decode attention in one split (no combine launch; each program walks a whole row)
+  ext-mha-per-head  ext with MHA decode attention on its per-head kernel at every batch (before 8a2d1cc)
   ext-lt      ext with the GEMMs it captures picked by cuBLASLt (torch.backends.cuda.preferred_blas_library);
               ext-cublas-lt the same for ext-cublas
   ext-autotune ext with Inductor's max_autotune (GEMM templates that take pointwise neighbours), batch 1

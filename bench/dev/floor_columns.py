@@ -9,10 +9,11 @@ import torch
 
 # The columns this module knows, in the order the table lists them (ext-row-* come after, sorted).
 EXPERIMENTS = ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-unordered", "ext-no-xsmem", "ext-prologue8", "ext-prologue0", "ext-notune", "ext-norm8", "ext-gate", "ext-nogate",
-               "ext-late-launch", "ext-attn1", "ext-lt", "ext-cublas-lt")
+               "ext-late-launch", "ext-attn1", "ext-mha-per-head", "ext-lt", "ext-cublas-lt")
 # Columns whose change acts at a kernel's launch (its config), not at compile: their graph must be
 # captured inside the context, and full CUDA graphs capture on a later call than the first.
-AT_LAUNCH = ("ext-row", "ext-noxpf", "ext-unordered", "ext-no-xsmem", "ext-attn1", "ext-lt", "ext-cublas-lt")
+AT_LAUNCH = ("ext-row", "ext-noxpf", "ext-unordered", "ext-no-xsmem", "ext-attn1", "ext-mha-per-head", "ext-lt",
+             "ext-cublas-lt")
 
 
 @contextlib.contextmanager
@@ -22,6 +23,15 @@ def column_experiment(name: str):
     config of decode_linear's one-row path."""
     if name == "ext-attn1":
         yield from _one_split_attention()
+        return
+    if name == "ext-mha-per-head":  # MHA decode attention on its per-head kernel at every batch (before 8a2d1cc)
+        import torch_ext.kernels.decode_attention as attention
+
+        attention.MHA_ON_TENSOR_CORES = False
+        try:
+            yield
+        finally:
+            attention.MHA_ON_TENSOR_CORES = None
         return
     if name in ("ext-lt", "ext-cublas-lt"):  # cuBLASLt picks the GEMMs the graphs capture
         before = torch.backends.cuda.preferred_blas_library()
