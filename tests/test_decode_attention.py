@@ -74,6 +74,9 @@ def test_mha_takes_the_tensor_core_kernel_where_its_rows_fill_the_gpu():
     assert op.grouped(8, 32, 32) and op.grouped(4, 32, 32) and op.grouped(1, 32, 8)
     assert not op.grouped(1, 32, 32) and not op.grouped(2, 32, 32) and not op.grouped(8, 12, 12)
     assert op.config_kind(8, 32, 32) == "grouped" and op.config_kind(1, 32, 32) == "per_head"
+    # grouped heads over few rows take the three-stage config, MHA rows on tensor cores never do
+    assert op.config_kind(32, 32, 4) == "grouped_few_rows" and op.config_kind(32, 32, 8) == "grouped"
+    assert op.config_kind(4, 32, 32) == "grouped"
     try:
         op.MHA_ON_TENSOR_CORES = True
         assert op.grouped(1, 32, 32)

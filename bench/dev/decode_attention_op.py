@@ -62,7 +62,7 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--lengths", default="256,1024,2048,4096,8192")
-    parser.add_argument("--alt-grouped", default=None, help="--grid: also the grouped kernel at tile,warps,stages")
+    parser.add_argument("--alt-grouped", default=None, help="--grid: also the grouped kernel (both its configs) at tile,warps,stages")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/dev/decode_attention_op.py needs a CUDA GPU.")
@@ -150,12 +150,13 @@ def grid(args, bandwidth, op) -> int:
                 else:
                     cells.append("-")
                 if args.alt_grouped:  # the grouped kernel under another config (ours where it takes that kernel)
-                    saved = module._CONFIG["grouped"]
-                    module._CONFIG["grouped"] = tuple(int(x) for x in args.alt_grouped.split(","))
+                    saved = dict(module._CONFIG)
+                    alt_config = tuple(int(x) for x in args.alt_grouped.split(","))
+                    module._CONFIG.update(grouped=alt_config, grouped_few_rows=alt_config)
                     try:
                         alt = per_call_us([lambda k=k, v=v: op(q, k, v, mask, d ** -0.5) for k, v in caches])
                     finally:
-                        module._CONFIG["grouped"] = saved
+                        module._CONFIG.update(saved)
                     cells.append(f"{alt:.1f} ({alt / floor:.2f})" if module.grouped(b, h, hkv) else "-")
                 best, err = None, 0.0
                 for name, tc in peers.items():

@@ -66,8 +66,9 @@ def main() -> int:
     cudart = os.path.dirname(glob.glob("/usr/local/cuda*/lib*/libcudart.so")[0])
     trim = os.path.join(args.work, "trim")
     shutil.rmtree(trim, ignore_errors=True)
+    built = {os.path.basename(d): d for d, _, _ in os.walk(jit)}  # under jit/.cache/...: glob skips dot dirs
     for name in names:
-        build = glob.glob(os.path.join(jit, "**", "cached_ops", name), recursive=True)[0]
+        build = built[name]
         target = os.path.join(trim, "flashinfer", "data", "aot", name)
         os.makedirs(target)
         subprocess.run(["c++", *sorted(glob.glob(os.path.join(build, "*.o"))), "-shared", f"-L{cudart}", f"-L{stub}",

@@ -32,7 +32,13 @@ _TARGET_PROGRAMS = 264  # about two waves of an H100's 132 SMs
 # stages 2 or 3 beat Triton's default by up to 10%; the per-head kernel wants small tiles where each row
 # is one program walking its whole cache (21 vs 24 us at 32x16x16x256), large ones where rows split it
 # (37 vs 47 us at 8x16x16x2048).
-_CONFIG = {"grouped": (64, 4, 2), "per_head": (64, 4, 2), "per_head_one_split": (32, 2, 2)}
+# Grouped heads over few rows (batch x kv heads <= 128: each row splits the cache into many long
+# programs) want a third stage: 13.0 against 15.0 us at 8x32x4x2048, 130.8 against 138.2 at 32x32x4x8192;
+# with more rows the programs compete for shared memory and it loses (149.7 against 125.8 at 32x32x16x2048,
+# 79.3 against 66.9 for MHA at 8x32x32x2048; bench/results/decode_attention_grouped_64_4_3_h200_torch2.11.log).
+_CONFIG = {"grouped": (64, 4, 2), "grouped_few_rows": (64, 4, 3), "per_head": (64, 4, 2),
+           "per_head_one_split": (32, 2, 2)}
+_FEW_ROWS = 128
 # Heads with a kv head each (MHA) through the grouped kernel too where their rows fill the GPU: one
 # real row of its 16-row tl.dot, the scores and the weighted sum on tensor cores instead of per-slot
 # CUDA-core accumulators (H200, 32 heads x 2048 positions: 66.9 against 79.8 us at batch 8, FlashInfer's
@@ -54,7 +60,7 @@ def config_kind(b: int, h: int, hkv: int) -> str:
     """Which _CONFIG entry a launch takes: the grouped kernel, or the per-head one with rows that
     split the cache or rows that are one program each (as many as the target: one split)."""
     if grouped(b, h, hkv):
-        return "grouped"
+        return "grouped_few_rows" if h > hkv and b * hkv <= _FEW_ROWS else "grouped"
     return "per_head" if b * h < _TARGET_PROGRAMS else "per_head_one_split"
 
 
