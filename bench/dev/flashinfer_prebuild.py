@@ -28,8 +28,8 @@ import json, sys, torch
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper, prefill
 from flashinfer.jit.attention.modules import gen_batch_decode_module
 for d in (int(x) for x in sys.argv[2].split(",")):
-    specs = [gen_batch_decode_module(torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32, d, d, 0, False, False)]
     args = (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32, d, d, 0, False, False, False)
+    specs = [gen_batch_decode_module(*args[:-1])]
     specs += [gen("fa2", *args) for gen in (prefill._gen_batch_prefill_primary_module,
                                             prefill._gen_batch_prefill_independent_paged_module)]
     for spec in specs:
@@ -38,8 +38,8 @@ for d in (int(x) for x in sys.argv[2].split(",")):
         except Exception:
             pass
         print("MODULE", spec.name, flush=True)
-json.dump(sorted({m.__file__ for m in list(sys.modules.values()) if (getattr(m, "__file__", None) or "").startswith(sys.argv[1])}),
-          open(sys.argv[1] + "/loaded.json", "w"))
+files = {getattr(m, "__file__", None) or "" for m in list(sys.modules.values())}
+json.dump(sorted(f for f in files if f.startswith(sys.argv[1])), open(sys.argv[1] + "/loaded.json", "w"))
 '''
 
 
@@ -76,7 +76,7 @@ def main() -> int:
     package = os.path.join(site, "flashinfer")
     keep = {f for f in json.load(open(os.path.join(site, "loaded.json"))) if f.startswith(package)}
     for pattern in ("*.py", "jit/**/*.py", "attention/**/*.py", "utils/**/*.py", "data/csrc/batch_*.cu",
-                    "data/csrc/*.jinja", "data/csrc/*.h"):
+                    "data/csrc/batch_*.cuh", "data/csrc/*.jinja", "data/csrc/*.h"):
         keep |= set(glob.glob(os.path.join(package, pattern), recursive=True))
     for f in sorted(keep):
         dest = os.path.join(trim, os.path.relpath(f, site))
