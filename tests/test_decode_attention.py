@@ -77,6 +77,7 @@ def test_mha_takes_the_tensor_core_kernel_where_its_rows_fill_the_gpu():
     # grouped heads over few rows take the three-stage config, MHA rows on tensor cores never do
     assert op.config_kind(32, 32, 4) == "grouped_few_rows" and op.config_kind(32, 32, 8) == "grouped"
     assert op.config_kind(4, 32, 32) == "grouped"
+    assert op.config_kind(1, 8, 1, d=256) == "grouped"  # three stages of 256-wide tiles: too much shared memory
     try:
         op.MHA_ON_TENSOR_CORES = True
         assert op.grouped(1, 32, 32)

@@ -195,7 +195,8 @@ def sweep(shape, floor, q, caches, mask, op) -> None:
     reference = module.decode_attention_reference(q, *caches[0], mask, q.shape[-1] ** -0.5).float()
     target, rule, saved = module._TARGET_PROGRAMS, module.MHA_ON_TENSOR_CORES, dict(module._CONFIG)
     on_tc = module.grouped(q.shape[0], q.shape[1], caches[0][0].shape[1])
-    default_kind = module.config_kind(q.shape[0], q.shape[1], caches[0][0].shape[1])
+    shape_of = (q.shape[0], q.shape[1], caches[0][0].shape[1], q.shape[-1])  # b, h, hkv, d
+    default_kind = module.config_kind(*shape_of)
     default = (on_tc, target, *saved[default_kind])
     timed = []
     configs = list(itertools.product(sorted({target, 16, 64, 132, 528}), [32, 64, 128], [2, 4, 8], [1, 2, 3]))
@@ -207,7 +208,7 @@ def sweep(shape, floor, q, caches, mask, op) -> None:
     try:  # also the programs the cache is split over (fewer: fewer splits, one split = no combine kernel)
         for tc, programs, config in candidates:
             module.MHA_ON_TENSOR_CORES, module._TARGET_PROGRAMS = tc, programs
-            module._CONFIG[module.config_kind(q.shape[0], q.shape[1], caches[0][0].shape[1])] = config
+            module._CONFIG[module.config_kind(*shape_of)] = config
             err = (op(*caches[0])().float() - reference).abs().max().item()
             us = per_call_us([op(k, v) for k, v in caches], calls=24, replays=10)
             timed.append((us, (tc, programs, *config), err))

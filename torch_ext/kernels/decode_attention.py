@@ -36,9 +36,11 @@ _TARGET_PROGRAMS = 264  # about two waves of an H100's 132 SMs
 # programs) want a third stage: 13.0 against 15.0 us at 8x32x4x2048, 130.8 against 138.2 at 32x32x4x8192;
 # with more rows the programs compete for shared memory and it loses (149.7 against 125.8 at 32x32x16x2048,
 # 79.3 against 66.9 for MHA at 8x32x32x2048; bench/results/decode_attention_grouped_64_4_3_h200_torch2.11.log).
+# Only up to head dim 128: three stages of k and v tiles at 256 (Gemma) would take 192 KiB of shared
+# memory, more than an A100 has and most of a Hopper's.
 _CONFIG = {"grouped": (64, 4, 2), "grouped_few_rows": (64, 4, 3), "per_head": (64, 4, 2),
            "per_head_one_split": (32, 2, 2)}
-_FEW_ROWS = 128
+_FEW_ROWS, _FEW_ROWS_MAX_HEAD_DIM = 128, 128
 # Heads with a kv head each (MHA) through the grouped kernel too where their rows fill the GPU: one
 # real row of its 16-row tl.dot, the scores and the weighted sum on tensor cores instead of per-slot
 # CUDA-core accumulators (H200, 32 heads x 2048 positions: 66.9 against 79.8 us at batch 8, FlashInfer's
@@ -56,11 +58,13 @@ def grouped(b: int, h: int, hkv: int) -> bool:
     return b * h >= _MHA_TENSOR_CORE_ROWS if MHA_ON_TENSOR_CORES is None else MHA_ON_TENSOR_CORES
 
 
-def config_kind(b: int, h: int, hkv: int) -> str:
-    """Which _CONFIG entry a launch takes: the grouped kernel, or the per-head one with rows that
-    split the cache or rows that are one program each (as many as the target: one split)."""
+def config_kind(b: int, h: int, hkv: int, d: int = 128) -> str:
+    """Which _CONFIG entry a launch takes: the grouped kernel (over few rows or not), or the per-head
+    one with rows that split the cache or rows that are one program each (as many as the target: one
+    split)."""
     if grouped(b, h, hkv):
-        return "grouped_few_rows" if h > hkv and b * hkv <= _FEW_ROWS else "grouped"
+        few = h > hkv and b * hkv <= _FEW_ROWS and d <= _FEW_ROWS_MAX_HEAD_DIM
+        return "grouped_few_rows" if few else "grouped"
     return "per_head" if b * h < _TARGET_PROGRAMS else "per_head_one_split"
 
 
@@ -113,7 +117,7 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
     # Grouped heads: one program serves the query heads of one kv head, so each cache byte is read once
     # (a program per query head read it `groups` times: 4.3x the cache's bytes, H100, 4 of 16 heads).
     rows = b * hkv  # (b * h where groups == 1)
-    block_n, warps, stages = _CONFIG[config_kind(b, h, hkv)]
+    block_n, warps, stages = _CONFIG[config_kind(b, h, hkv, d)]
     tiles = triton.cdiv(length, block_n)
     splits = max(1, min(tiles, triton.cdiv(_TARGET_PROGRAMS, rows)))
     per_split = triton.cdiv(tiles, splits) * block_n
