@@ -136,13 +136,17 @@ def grid(args, bandwidth, op) -> int:
                           for _ in range(copies)]
                 mask = torch.ones(b, 1, 1, length, device="cuda", dtype=torch.bool)
                 floor = cache_bytes / bandwidth * 1e6
-                ours = per_call_us([lambda k=k, v=v: op(q, k, v, mask, d ** -0.5) for k, v in caches])
+
+                def ours_us():  # our op over every copy of the cache, as the module's switches stand
+                    return per_call_us([lambda k=k, v=v: op(q, k, v, mask, d ** -0.5) for k, v in caches])
+
+                ours = ours_us()
                 expected = op(q, *caches[0], mask, d ** -0.5)[:, :, 0].float()
                 cells = [f"{b}x{h}x{hkv}x{length}", f"{floor:.1f}", f"{ours:.1f} ({ours / floor:.2f})"]
                 if ratio == 1:  # MHA: also its other kernel
                     saved, module.MHA_ON_TENSOR_CORES = module.MHA_ON_TENSOR_CORES, not module.grouped(b, h, hkv)
                     try:
-                        other = per_call_us([lambda k=k, v=v: op(q, k, v, mask, d ** -0.5) for k, v in caches])
+                        other = ours_us()
                     finally:
                         module.MHA_ON_TENSOR_CORES = saved
                     tag = "tc" if not module.grouped(b, h, hkv) else "per head"
@@ -154,7 +158,7 @@ def grid(args, bandwidth, op) -> int:
                     alt_config = tuple(int(x) for x in args.alt_grouped.split(","))
                     module._CONFIG.update(grouped=alt_config, grouped_few_rows=alt_config)
                     try:
-                        alt = per_call_us([lambda k=k, v=v: op(q, k, v, mask, d ** -0.5) for k, v in caches])
+                        alt = ours_us()
                     finally:
                         module._CONFIG.update(saved)
                     cells.append(f"{alt:.1f} ({alt / floor:.2f})" if module.grouped(b, h, hkv) else "-")
@@ -194,8 +198,8 @@ def sweep(shape, floor, q, caches, mask, op) -> None:
 
     reference = module.decode_attention_reference(q, *caches[0], mask, q.shape[-1] ** -0.5).float()
     target, rule, saved = module._TARGET_PROGRAMS, module.MHA_ON_TENSOR_CORES, dict(module._CONFIG)
-    on_tc = module.grouped(q.shape[0], q.shape[1], caches[0][0].shape[1])
     shape_of = (q.shape[0], q.shape[1], caches[0][0].shape[1], q.shape[-1])  # b, h, hkv, d
+    on_tc = module.grouped(*shape_of[:3])
     default_kind = module.config_kind(*shape_of)
     default = (on_tc, target, *saved[default_kind])
     timed = []

@@ -27,11 +27,11 @@ def column_experiment(name: str):
     if name == "ext-mha-per-head":  # MHA decode attention on its per-head kernel at every batch (before 8a2d1cc)
         import torch_ext.kernels.decode_attention as attention
 
-        attention.MHA_ON_TENSOR_CORES = False
+        before, attention.MHA_ON_TENSOR_CORES = attention.MHA_ON_TENSOR_CORES, False
         try:
             yield
         finally:
-            attention.MHA_ON_TENSOR_CORES = None
+            attention.MHA_ON_TENSOR_CORES = before
         return
     if name in ("ext-lt", "ext-cublas-lt"):  # cuBLASLt picks the GEMMs the graphs capture
         before = torch.backends.cuda.preferred_blas_library()

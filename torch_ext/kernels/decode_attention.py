@@ -117,7 +117,8 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
     # Grouped heads: one program serves the query heads of one kv head, so each cache byte is read once
     # (a program per query head read it `groups` times: 4.3x the cache's bytes, H100, 4 of 16 heads).
     rows = b * hkv  # (b * h where groups == 1)
-    block_n, warps, stages = _CONFIG[config_kind(b, h, hkv, d)]
+    kind = config_kind(b, h, hkv, d)
+    block_n, warps, stages = _CONFIG[kind]
     tiles = triton.cdiv(length, block_n)
     splits = max(1, min(tiles, triton.cdiv(_TARGET_PROGRAMS, rows)))
     per_split = triton.cdiv(tiles, splits) * block_n
@@ -143,7 +144,7 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
             h, groups, length, per_split, d, splits)
     flags = dict(HAS_MASK=mask is not None, BOOL_MASK=is_bool, DIRECT=direct, BLOCK_N=block_n, BLOCK_D=block_d,
                  num_warps=warps, num_stages=stages, PDL=pdl, **launch)
-    if grouped(b, h, hkv):  # tl.dot needs 16 rows: the group's heads, padded
+    if kind.startswith("grouped"):  # tl.dot needs 16 rows: the group's heads, padded
         flags["BLOCK_D"] = max(16, block_d)  # tl.dot's smallest K
         grouped_kernel[(rows, splits)](*args, BLOCK_G=max(16, triton.next_power_of_2(groups)),
                                        IEEE=q.dtype == torch.float32, **flags)
