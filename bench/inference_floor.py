@@ -53,7 +53,9 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
               stage it through shared memory (x mode 3, 2026-11-27 session 5)
   ext-prologue8  ext with the norms and gates folded into decode_linear up to 8 rows (the default: one row)
   ext-prologue0  ext with no norm or gate folded into decode_linear (at one row too)
-  ext-notune  ext with kernel_tuning=False: decode_linear's hand-tuned built-in configs, at every shape
+  ext-notune  ext with kernel_tuning=False: decode_linear's and decode_attention's hand-tuned built-in
+              configs, at every shape
+  ext-attn-table  ext with decode attention's built-in launch table (decode_linear still tuned)
   ext-norm8   ext with the norms alone folded in up to 8 rows (the gate left to Inductor)
   ext-late-launch  ext with Inductor's kernels triggering their dependents after their last load (Inductor's
               own placement; ext moves it to right after their first wait)

@@ -3,13 +3,14 @@ read once) against one per query head over the repeated cache (what the kernel d
 math, each cache byte read `groups` times), and SDPA over HF's repeat_kv.
 
     python bench/dev/decode_attention_op.py [--shapes 8x16x4x2048,...] [--sweep]
-    python bench/dev/decode_attention_op.py --grid [--head-dim 128]   # beside FlashInfer (issue 47)
+    python bench/dev/decode_attention_op.py --grid [--head-dim 128] [--tuned]   # beside FlashInfer (issue 47)
 
 Shapes are batch x heads x kv heads x cache length, head dim 128, bf16, a bool mask over the cache.
 --grid: batch 1, 8, 32 x cache length 256-8192 x GQA ratio 1-8 (32 query heads), our op against
 FlashInfer's decode kernel and its tensor-core path (bench/dev/flashinfer_peer.py; the cache is its one-page-per-sequence HND
 layout, so both read the same tensors; our op also reads a bool mask, all true, as HF's static cache
-passes one) and the max difference between the two.
+passes one) and the max difference between the two. --tuned adds the launch the compile-time tuner
+(kernels/decode_attention_tuning.py) picks for each shape, timed here like the table's.
 Microseconds per call (CUDA events over replays of a CUDA graph of 48 calls, cycling through copies of
 the cache that together pass any L2), and x floor: the cache bytes (k and v, read once) /
 device-to-device copy bandwidth. --sweep times every (target programs, tile, warps, stages) of each
@@ -63,6 +64,8 @@ def main() -> int:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--lengths", default="256,1024,2048,4096,8192")
     parser.add_argument("--alt-grouped", default=None, help="--grid: also the grouped kernel (both its configs) at tile,warps,stages")
+    parser.add_argument("--tuned", action="store_true",
+                        help="--grid: also the launch the compile-time tuner picks (kernels/decode_attention_tuning.py)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/dev/decode_attention_op.py needs a CUDA GPU.")
@@ -124,7 +127,7 @@ def grid(args, bandwidth, op) -> int:
     status = "; ".join(f"{name}: {why}" for name, why in missing.items() if why) or f"FlashInfer {_version()}"
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, head dim {d}, {h} query heads; copy "
           f"bandwidth {bandwidth / 1e12:.2f} TB/s; us per call (x floor); {status}")
-    rows = []
+    rows, tuning_s = [], 0.0
     for b in (int(x) for x in args.batches.split(",")):
         for length in (int(x) for x in args.lengths.split(",")):
             for ratio in (1, 2, 4, 8):
@@ -153,6 +156,10 @@ def grid(args, bandwidth, op) -> int:
                     cells.append(f"{other:.1f} ({other / floor:.2f}) {tag}")
                 else:
                     cells.append("-")
+                if args.tuned:
+                    tuned, label, tune_s = _tuned_us(b, h, hkv, length, d, q, caches, mask, op)
+                    tuning_s += tune_s
+                    cells.append(f"{tuned:.1f} ({tuned / floor:.2f}) {label}")
                 if args.alt_grouped:  # the grouped kernel under another config (ours where it takes that kernel)
                     saved = dict(module._CONFIG)
                     alt_config = tuple(int(x) for x in args.alt_grouped.split(","))
@@ -172,14 +179,39 @@ def grid(args, bandwidth, op) -> int:
                     err = max(err, (expected - calls[0]().float()).abs().max().item())
                     best = theirs if best is None else min(best, theirs)
                     cells.append(f"{theirs:.1f} ({theirs / floor:.2f})")
-                cells += [f"{ours / best:.2f}" if best else "-", f"{err:.1e}"]
+                cells += [f"{ours / best:.2f}" if best else "-"]
+                if args.tuned:
+                    cells += [f"{tuned / best:.2f}" if best else "-", f"{tuned / ours:.2f}"]
+                cells.append(f"{err:.1e}")
                 rows.append(cells)
                 del caches
                 print(" | ".join(cells), file=sys.stderr, flush=True)
     alt = [f"torch_ext, grouped {args.alt_grouped}"] if args.alt_grouped else []
-    print_table(["b x h x hkv x L", "floor us", "torch_ext", "torch_ext, its other MHA kernel", *alt, *peers,
-                 "torch_ext / best FlashInfer", "max |difference|"], rows)
+    tuned = ["torch_ext tuned (its choice)"] if args.tuned else []
+    print_table(["b x h x hkv x L", "floor us", "torch_ext", "torch_ext, its other MHA kernel", *tuned, *alt, *peers,
+                 "torch_ext / best FlashInfer", *(["tuned / best FlashInfer", "tuned / table"] if args.tuned else []),
+                 "max |difference|"], rows)
+    if args.tuned:
+        print(f"tuning: {tuning_s:.1f} s over {len(rows)} shapes (Triton compiles included)")
     return 0
+
+
+def _tuned_us(b, h, hkv, length, d, q, caches, mask, op):
+    """(us per call of the launch the tuner picks, its label, seconds the tuner took)."""
+    import time
+
+    from torch_ext.kernels import decode_attention as module, decode_attention_tuning as tuning
+
+    shape = tuning.Shape(b, h, hkv, length, d, q.dtype, "bool", False)
+    start = time.perf_counter()
+    choice = tuning.Tuner(None).choose(shape, q.device)
+    seconds = time.perf_counter() - start
+    if choice.path == "sdpa":
+        calls = [lambda k=k, v=v: tuning._sdpa(q, k, v, mask, d ** -0.5) for k, v in caches]
+    else:
+        launch = module.checked_config(choice.encode())
+        calls = [lambda k=k, v=v: op(q, k, v, mask, d ** -0.5, launch) for k, v in caches]
+    return per_call_us(calls), choice.label(), seconds
 
 
 def _version() -> str:

@@ -9,7 +9,7 @@ import torch
 
 # The columns this module knows, in the order the table lists them (ext-row-* come after, sorted).
 EXPERIMENTS = ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-unordered", "ext-no-xsmem", "ext-prologue8", "ext-prologue0", "ext-notune", "ext-norm8", "ext-gate", "ext-nogate",
-               "ext-late-launch", "ext-attn1", "ext-mha-per-head", "ext-lt", "ext-cublas-lt")
+               "ext-late-launch", "ext-attn1", "ext-mha-per-head", "ext-attn-table", "ext-lt", "ext-cublas-lt")
 # Columns whose change acts at a kernel's launch (its config), not at compile: their graph must be
 # captured inside the context, and full CUDA graphs capture on a later call than the first.
 AT_LAUNCH = ("ext-row", "ext-noxpf", "ext-unordered", "ext-no-xsmem", "ext-attn1", "ext-mha-per-head", "ext-lt",
@@ -32,6 +32,15 @@ def column_experiment(name: str):
             yield
         finally:
             attention.MHA_ON_TENSOR_CORES = before
+        return
+    if name == "ext-attn-table":  # decode attention's built-in table, not its launch measured per shape
+        import torch_ext.backend.rewrite.decode as rewrite
+
+        before, rewrite.AttentionTuner = rewrite.AttentionTuner, lambda directory: None
+        try:
+            yield
+        finally:
+            rewrite.AttentionTuner = before
         return
     if name in ("ext-lt", "ext-cublas-lt"):  # cuBLASLt picks the GEMMs the graphs capture
         before = torch.backends.cuda.preferred_blas_library()

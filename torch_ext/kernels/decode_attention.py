@@ -1,10 +1,13 @@
 """`torch.ops.torch_ext.decode_attention`: attention of one query token per sequence over a KV cache,
 reading the cache at memory bandwidth (split-KV), with SDPA's semantics.
 
-    decode_attention(q, k, v, mask, scale) -> out
+    decode_attention(q, k, v, mask, scale, config=None) -> out
         q: (B, H, 1, D); k, v: (B or 1, Hkv, L, D), H a multiple of Hkv (grouped-query attention);
         mask: None, or bool (True attends) / additive float, broadcastable to (B, H, 1, L);
         out = softmax(q @ k^T * scale + mask) @ v: (B, H, 1, D), q's dtype.
+        config: [kernel (0 per head, 1 grouped), cache positions per tile, warps, pipeline stages,
+        programs to aim for], as measured for the shape on this GPU (kernels/decode_attention_tuning.py);
+        None: the table below.
 
 Why: a decode step's SDPA runs a prefill kernel for one query row, whose B*H programs leave most of
 the GPU idle while each walks the whole cache (H100, HF Llama 16x2048, batch 1: 130 us for ~16 us of
@@ -19,12 +22,15 @@ take, run SDPA itself. A fully masked row gives zeros, as SDPA does.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from torch_ext.kernels.fused_add_rms_norm import has_triton
 from torch_ext.kernels.launch_policy import runs_reference
 
-__all__ = ["decode_attention", "decode_attention_reference", "decode_attention_triton"]
+__all__ = ["Launch", "checked_config", "decode_attention", "decode_attention_reference", "decode_attention_triton",
+           "default_launch"]
 
 _TARGET_PROGRAMS = 264  # about two waves of an H100's 132 SMs
 # Per kernel: (cache positions per tile, warps, pipeline stages). The best of a sweep over 32/64/128 x
@@ -68,6 +74,43 @@ def config_kind(b: int, h: int, hkv: int, d: int = 128) -> str:
     return "per_head" if b * h < _TARGET_PROGRAMS else "per_head_one_split"
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How the Triton path runs one shape: the op's `config` argument, decoded."""
+    grouped: bool  # the grouped (tensor-core) kernel; else the per-head one (any grouping: reads per head)
+    block_n: int  # cache positions per tile
+    warps: int
+    stages: int
+    programs: int  # the split-KV grid aims for about this many programs
+
+    def encode(self) -> list[int]:
+        return [int(self.grouped), self.block_n, self.warps, self.stages, self.programs]
+
+
+def default_launch(b: int, h: int, hkv: int, d: int = 128) -> Launch:
+    """The table's launch for a shape (config None)."""
+    kind = config_kind(b, h, hkv, d)
+    return Launch(kind.startswith("grouped"), *_CONFIG[kind], _TARGET_PROGRAMS)
+
+
+def _power_of_2(n) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+def checked_config(config: list[int] | None) -> Launch | None:
+    """The op's `config` argument as a Launch; a value no kernel can launch is an error naming it."""
+    if config is None:
+        return None
+    ok = (isinstance(config, (list, tuple)) and len(config) == 5 and config[0] in (0, 1)
+          and _power_of_2(config[1]) and 16 <= config[1] <= 256 and _power_of_2(config[2]) and config[2] <= 16
+          and isinstance(config[3], int) and 1 <= config[3] <= 5 and isinstance(config[4], int) and config[4] >= 1)
+    if not ok:
+        raise ValueError(f"torch_ext::decode_attention: config {config!r} is not [kernel 0 or 1, positions per "
+                         "tile (a power of 2, 16-256), warps (a power of 2, at most 16), stages (1-5), programs "
+                         "(at least 1)]; pass None for the built-in table")
+    return Launch(bool(config[0]), *config[1:])
+
+
 def decode_attention_reference(q, k, v, mask, scale: float) -> torch.Tensor:
     """SDPA with the op's arguments (grouped heads repeated): what the op computes."""
     groups = q.shape[1] // k.shape[1]
@@ -78,21 +121,22 @@ def decode_attention_reference(q, k, v, mask, scale: float) -> torch.Tensor:
 
 @torch.library.custom_op("torch_ext::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float) -> torch.Tensor:
+                     scale: float, config: list[int] | None = None) -> torch.Tensor:
     """Every device without a dedicated kernel: SDPA."""
     return decode_attention_reference(q, k, v, mask, scale)
 
 
 @decode_attention.register_fake
-def _(q, k, v, mask, scale):
+def _(q, k, v, mask, scale, config=None):
+    checked_config(config)  # a config no kernel launches fails at compile time
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 @decode_attention.register_kernel("cuda")
-def _(q, k, v, mask, scale):
+def _(q, k, v, mask, scale, config=None):
     if runs_reference("decode_attention") or not _triton_takes(q, k, v, mask):
         return decode_attention_reference(q, k, v, mask, scale)
-    return decode_attention_triton(q, k, v, mask, scale)
+    return decode_attention_triton(q, k, v, mask, scale, checked_config(config))
 
 
 def _triton_takes(q, k, v, mask) -> bool:
@@ -102,8 +146,9 @@ def _triton_takes(q, k, v, mask) -> bool:
             and q.shape[1] % k.shape[1] == 0 and (mask is None or mask.dim() == 4))
 
 
-def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
-    """The Triton path (also on CPU tensors under TRITON_INTERPRET=1, for tests)."""
+def decode_attention_triton(q, k, v, mask, scale: float, launch: Launch | None = None) -> torch.Tensor:
+    """The Triton path (also on CPU tensors under TRITON_INTERPRET=1, for tests); launch: the table's
+    where None."""
     import triton
 
     b, h, _, d = q.shape
@@ -116,11 +161,11 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
     groups = h // hkv
     # Grouped heads: one program serves the query heads of one kv head, so each cache byte is read once
     # (a program per query head read it `groups` times: 4.3x the cache's bytes, H100, 4 of 16 heads).
-    rows = b * hkv  # (b * h where groups == 1)
-    kind = config_kind(b, h, hkv, d)
-    block_n, warps, stages = _CONFIG[kind]
+    launch = launch or default_launch(b, h, hkv, d)
+    rows = b * hkv if launch.grouped else b * h  # programs of the grid's first axis
+    block_n, warps, stages = launch.block_n, launch.warps, launch.stages
     tiles = triton.cdiv(length, block_n)
-    splits = max(1, min(tiles, triton.cdiv(_TARGET_PROGRAMS, rows)))
+    splits = max(1, min(tiles, triton.cdiv(launch.programs, rows)))
     per_split = triton.cdiv(tiles, splits) * block_n
     splits = triton.cdiv(length, per_split)
     # One split: no partials (the kernel writes `out`; the argument is unused).
@@ -135,7 +180,7 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
 
     # Launched early behind the kernel before (PDL, Hopper+); each waits for it before reading anything.
     pdl = q.is_cuda and has_pdl(q.device)
-    launch = launch_options(pdl)
+    options = launch_options(pdl)
     block_d = triton.next_power_of_2(d)
     direct = splits == 1  # one split per row (the rows fill the GPU): the partial kernel writes the output
     args = (q, k, v, mask if mask is not None else q, partial, out, scale * 1.4426950408889634,  # exp2 of log2(e)-scaled scores
@@ -143,8 +188,8 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
             v.stride(0), v.stride(1), v.stride(2), v.stride(3), ms[0], ms[1], ms[3], out.stride(0), out.stride(1),
             h, groups, length, per_split, d, splits)
     flags = dict(HAS_MASK=mask is not None, BOOL_MASK=is_bool, DIRECT=direct, BLOCK_N=block_n, BLOCK_D=block_d,
-                 num_warps=warps, num_stages=stages, PDL=pdl, **launch)
-    if kind.startswith("grouped"):  # tl.dot needs 16 rows: the group's heads, padded
+                 num_warps=warps, num_stages=stages, PDL=pdl, **options)
+    if launch.grouped:  # tl.dot needs 16 rows: the group's heads, padded
         flags["BLOCK_D"] = max(16, block_d)  # tl.dot's smallest K
         grouped_kernel[(rows, splits)](*args, BLOCK_G=max(16, triton.next_power_of_2(groups)),
                                        IEEE=q.dtype == torch.float32, **flags)
@@ -153,7 +198,7 @@ def decode_attention_triton(q, k, v, mask, scale: float) -> torch.Tensor:
     if not direct:
         combine_kernel[(b * h,)](partial, out, out.stride(0), out.stride(1), h, d, splits,
                                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4, PDL=pdl,
-                                 **launch)
+                                 **options)
     return out
 
 

@@ -13,6 +13,7 @@ from torch_ext.backend.counters import counters
 from torch_ext.backend.rewrite.decode_attention import use_decode_attention
 from torch_ext.backend.rewrite.decode_linear import use_decode_linear
 from torch_ext.backend.rewrite.decode_linear_fusion import fuse_into_decode_linear
+from torch_ext.kernels.decode_attention_tuning import Tuner as AttentionTuner
 from torch_ext.kernels.decode_linear_tuning import Tuner
 
 
@@ -20,8 +21,10 @@ def decode_rewrites(gm: fx.GraphModule, config: CompileConfig, is_splitting: Cal
     """Apply them to gm in place (no placeholder changes); returns how many calls they changed."""
     changed = 0
     if config.uses("decode_attention"):
-        found = use_decode_attention(gm, is_splitting)
+        measured = AttentionTuner.measured
+        found = use_decode_attention(gm, is_splitting, AttentionTuner(config.cache_dir) if config.kernel_tuning else None)
         counters.decode_attention_calls += found
+        counters.tuned_shapes += AttentionTuner.measured - measured
         changed += found
     if config.uses("decode_linear"):
         measured, tuner = Tuner.measured, Tuner(config.cache_dir) if config.kernel_tuning else None

@@ -8,6 +8,8 @@ causal mask is top-left aligned: a single query row would see key 0 only), a mas
 strides) and of q's dtype (under autocast SDPA computes in the autocast dtype; the op is not on
 autocast's lists), and plain tensors (a subclass, e.g. a quantized cache, runs its own SDPA). Calls
 the user made splitting ops are left as they are. Inference graphs only (the op has no backward).
+With kernel tuning, a call whose shape SDPA itself ran fastest on this GPU stays SDPA; the others
+carry their measured launch (`tuned_config`).
 
 K and v repeated along heads for grouped-query attention, as HF's `repeat_kv` does whenever a mask is
 given (`x[:, :, None].expand(B, Hkv, n, L, D).reshape(B, Hkv * n, L, D)`) or as
@@ -29,6 +31,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import torch_ext.kernels.decode_attention  # noqa: F401  (registers the op: also where a saved graph calling it loads)
 from torch_ext.backend.rewrite.writes import writes_between
+from torch_ext.kernels.decode_attention_tuning import Shape, Tuner
 
 log = logging.getLogger("torch_ext.backend")
 
@@ -148,17 +151,33 @@ def decode_call(node: fx.Node) -> dict | None:
     return {"q": a["query"], "k": a["key"], "v": a["value"], "mask": mask, "scale": scale}
 
 
-def use_decode_attention(gm: fx.GraphModule, is_splitting: Callable[[fx.Node], bool]) -> int:
+def tuned_config(call: dict, tuner: Tuner | None) -> tuple[bool, list[int] | None]:
+    """(whether the op serves the call, its `config`): with a tuner, the launch measured fastest for the
+    call's shape on its GPU (SDPA itself among the candidates: where it won, the call stays SDPA)."""
+    q, k, mask = (example_value(call[name]) for name in ("q", "k", "mask"))
+    shape = Shape.of(q, k, mask) if tuner is not None else None
+    choice = tuner.choose(shape, q.device) if shape is not None else None
+    if choice is None:
+        return True, None
+    return choice.path != "sdpa", choice.encode()
+
+
+def use_decode_attention(gm: fx.GraphModule, is_splitting: Callable[[fx.Node], bool], tuner: Tuner | None = None) -> int:
     """Replace every decode SDPA call of gm's graph (in place: no placeholder changes) by
-    torch_ext::decode_attention; returns how many."""
+    torch_ext::decode_attention; returns how many. With a tuner (CompileConfig.kernel_tuning) each
+    call's launch is the one measured fastest for its shape (kernels/decode_attention_tuning.py)."""
     op = torch.ops.torch_ext.decode_attention.default
     replaced = 0
     for node in list(gm.graph.nodes):
         call = decode_call(node)
         if call is None or is_splitting(node):
             continue
+        serves, config = tuned_config(call, tuner)
+        if not serves:
+            continue
+        args = (call["q"], call["k"], call["v"], call["mask"], call["scale"])
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(op, (call["q"], call["k"], call["v"], call["mask"], call["scale"]))
+            new = gm.graph.call_function(op, args if config is None else (*args, config))
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)

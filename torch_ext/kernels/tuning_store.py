@@ -1,0 +1,195 @@
+"""What the kernel tuners share: a shape's choice measured once per process and kept on disk, and the
+timing of candidates in a CUDA graph.
+
+A tuner (kernels/decode_linear_tuning.py, kernels/decode_attention_tuning.py) says which candidates a
+shape has and how to time them; `MeasuredChoices.choose` asks this process first, then the tuning file,
+and measures only what neither knows. Files are one JSON per GPU model, torch, Triton and kernel source
+(`file_name`), written whole by rename; a damaged file is said once and measured again, never trusted.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from typing import Callable, Hashable
+
+import torch
+
+from torch_ext import process_lock
+
+log = logging.getLogger("torch_ext.backend")
+
+FORMAT = 1  # bump when what a result means changes
+
+
+def time_in_graph(calls: list[Callable[[], object]], device: torch.device) -> float:
+    """Microseconds per call of `calls`, captured once in a CUDA graph and replayed (launch gaps as in a
+    model's CUDA graph). Each call should read its own operands, so that together they do not fit in L2
+    (a decode step reads its weights and caches from HBM)."""
+    # Under the process lock where it comes: a compile on the background thread times while no call
+    # queues kernels beside these; the capture is thread-local, so another thread cannot break it.
+    with process_lock.quiet():
+        graph = torch.cuda.CUDAGraph()
+        stream = capture_stream(device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for call in calls:  # warm the launch path on the capture stream
+                call()
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                for call in calls:
+                    call()
+        torch.cuda.current_stream().wait_stream(stream)
+        for _ in range(3):
+            graph.replay()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(10)]
+        for start, end in events:
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in events)[len(events) // 2] * 1e3 / len(calls)
+
+
+def copies_beyond_l2(nbytes: int, device: torch.device, most: int) -> int:
+    """How many copies of nbytes of operands make three L2s' worth (at most `most`)."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return max(1, min(most, -(-3 * l2 // max(1, nbytes))))
+
+
+@functools.lru_cache(maxsize=None)
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every capture: cuBLAS keeps a workspace (32 MiB on Hopper) per
+    stream it ran on, for the life of the process (a stream per candidate held 704 MiB, H200)."""
+    return torch.cuda.Stream(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _source_hash(prefix: str) -> str:
+    """The kernels' sources named prefix*.py and this file: a change to any is a new tuning file."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256(str(FORMAT).encode())
+    for name in sorted(os.listdir(root)):
+        if (name.startswith(prefix) or name == "tuning_store.py") and name.endswith(".py"):
+            with open(os.path.join(root, name), "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)  # asked once per shape; a device's name, torch and Triton never change
+def file_name(prefix: str, device: torch.device) -> str:
+    """The tuning file of the kernels prefix*.py on device's GPU model with this torch and Triton."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    props = torch.cuda.get_device_properties(device)
+    gpu = "".join(c if c.isalnum() else "-" for c in props.name)
+    return (f"{prefix}-{gpu}-sm{props.major}{props.minor}-torch{torch.__version__.split('+')[0]}"
+            f"-triton{triton_version}-{_source_hash(prefix)}.json")
+
+
+class MeasuredChoices:
+    """Choices per shape: from this process, then the directory's file, else measured (and written).
+
+    A subclass names its kernels (`kind`), says how a choice is stored (`_to_json`, `_from_json`) and
+    keeps its own `_memo`, `_warned` and `measured` (counters.tuned_shapes counts the last)."""
+
+    kind = ""
+    _lock = threading.Lock()  # one for every tuner: measurements never overlap on the GPU
+    _memo: dict[tuple, object]
+    _warned: set[str]
+    measured: int
+
+    def __init__(self, directory: str | None, measure: Callable, candidates: Callable,
+                 file_name: Callable[[torch.device], str]):
+        self.directory, self.measure, self.candidates, self.file_name = directory, measure, candidates, file_name
+
+    def choose(self, shape, device: torch.device):
+        """The fastest candidate for shape on device (one that times fastest, or the first candidate
+        where none could be timed)."""
+        with self._lock:
+            name = self.file_name(device)
+            memo_key = (name, shape)
+            if memo_key in self._memo:
+                return self._memo[memo_key]
+            candidates = self.candidates(shape, device)
+            choice = self._from_json(self.load(name).get(shape.key()))
+            if choice is not None and choice not in candidates:  # not what this code runs
+                choice = None
+            if choice is None:
+                start = time.perf_counter()
+                times = self.measure(shape, candidates, device)
+                choice = min(times, key=times.get) if times else candidates[0]
+                ranked = sorted(times.items(), key=lambda ct: ct[1])
+                log.info("torch_ext: %s %s -> %s (%s; tuned in %.2f s)", self.kind, shape.key(), choice,
+                         ", ".join(f"{c.label()} {t:.1f} us" for c, t in ranked), time.perf_counter() - start)
+                self.write(name, shape.key(), dict(self._to_json(choice),
+                                                   us={c.label(): round(t, 2) for c, t in times.items()}))
+                type(self).measured += 1
+            self._memo[memo_key] = choice
+            return choice
+
+    def remembered(self, name: str, key: Hashable, compute: Callable[[], tuple[object, dict]],
+                   read: Callable[[object], object]):
+        """A measured fact other than a choice (e.g. whether a fusion pays): this process's, the file's
+        where read(stored) is not None, else compute() -> (value, entry to store). Under the lock."""
+        with self._lock:
+            if (name, key) in self._memo:
+                return self._memo[(name, key)]
+            value = read(self.load(name).get(key))
+            if value is None:
+                value, entry = compute()
+                self.write(name, key, entry)
+                type(self).measured += 1
+            self._memo[(name, key)] = value
+            return value
+
+    @staticmethod
+    def _to_json(choice) -> dict:
+        raise NotImplementedError
+
+    @staticmethod
+    def _from_json(stored):
+        raise NotImplementedError
+
+    def _path(self, name: str) -> str | None:
+        return os.path.join(self.directory, "tuning", name) if self.directory else None
+
+    def load(self, name: str) -> dict:
+        path = self._path(name)
+        if path is None or not os.path.exists(path):
+            return {}
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("shapes"), dict):
+                raise ValueError("not a tuning file of this version")
+            return data["shapes"]
+        except (OSError, ValueError) as e:
+            if path not in self._warned:
+                self._warned.add(path)
+                log.warning("torch_ext: ignoring the damaged kernel tuning file %s (%s); its shapes are "
+                            "measured again and the file rewritten", path, e)
+            return {}
+
+    def write(self, name: str, key: str, entry: dict) -> None:
+        path = self._path(name)
+        if path is None:
+            return
+        shapes = self.load(name)
+        shapes[key] = entry
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tuning-")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"format": FORMAT, "shapes": shapes}, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+        except OSError as e:
+            log.warning("torch_ext: could not write the kernel tuning file %s (%s); kept in this process", path, e)
