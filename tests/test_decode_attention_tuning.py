@@ -16,23 +16,13 @@ import torch
 from torch_ext.backend import CompileConfig, counters
 from torch_ext.kernels import decode_attention as op, decode_attention_tuning as tuning
 from torch_ext.testing import capture_graphs
+from test_decode_linear_tuning import Measure  # stand-in timings: the fastest 1 us, the others 2
 from triton_interpreter import run_in_interpreter
 
 TABLE = tuning.Choice("triton", (1, 64, 4, 2, 264))
 WIDE = tuning.Choice("triton", (1, 128, 8, 2, 264))
 SDPA = tuning.Choice("sdpa")
 SHAPE = tuning.Shape(2, 4, 2, 10, 16, torch.float32, "bool", False)
-
-
-class Measure:
-    """Stand-in timings: `fastest` takes 1 us, every other candidate 2; counts the shapes measured."""
-
-    def __init__(self, fastest: tuning.Choice):
-        self.fastest, self.shapes = fastest, []
-
-    def __call__(self, shape, choices, device):
-        self.shapes.append(shape)
-        return {c: 1.0 if c == self.fastest else 2.0 for c in choices}
 
 
 class StandIn(tuning.Tuner):

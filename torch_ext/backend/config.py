@@ -230,9 +230,9 @@ class CompileConfig:
     # made inside the compiled piece before it, once for all calls sharing the mask
     # (rewrite/attention_mask.py): SDPA's own conversion was ~25 us of host time per eager call.
     additive_attention_masks: bool = True
-    # Pick each decode_linear shape's kernel by timing the candidates (cuBLAS among them) on this GPU when
-    # it is compiled; kept under cache_dir/tuning per GPU model (kernels/decode_linear_tuning.py). False:
-    # the kernels' built-in configs, tuned by hand on an H100.
+    # Pick each decode_linear shape's kernel (cuBLAS among the candidates) and each decode_attention
+    # shape's launch (SDPA among them) by timing them on this GPU when it is compiled; kept under
+    # cache_dir/tuning per GPU model (kernels/decode_*_tuning.py). False: the built-in configs.
     kernel_tuning: bool = True
     # tqdm progress bars while compiling several pieces (None: only on a terminal).
     progress_bar: bool | None = None
