@@ -78,6 +78,14 @@ def test_the_fastest_launch_is_written_into_the_call_and_results_equal_eager(tmp
     assert stored["path"] == "triton" and stored["config"] == list(fastest.config) and len(stored["us"]) == 3
 
 
+@pytest.mark.parametrize("wide_us,chosen", [(0.97, TABLE), (0.9, WIDE)])
+def test_the_table_holds_unless_another_launch_beats_it_by_the_margin(tmp_path, wide_us, chosen):
+    """Near-equal launches are told apart by noise: the table's launch stays unless one is 5% faster."""
+    tuner = tuning.Tuner(str(tmp_path), measure=lambda shape, choices, device: {TABLE: 1.0, SDPA: 2.0, WIDE: wide_us},
+                         candidates=lambda shape, device: [TABLE, SDPA, WIDE], file_name=lambda device: "t.json")
+    assert tuner.choose(SHAPE, torch.device("cpu")) == chosen
+
+
 def test_where_sdpa_is_fastest_the_call_stays_sdpa(tmp_path):
     counters.reset()
     calls, sdpa, actual, expected = _compiled_calls(str(tmp_path), SDPA)

@@ -166,6 +166,10 @@ class Tuner(store.MeasuredChoices):
     """decode_attention launches per shape (MeasuredChoices)."""
 
     kind = "decode_attention"
+    # H200, the grid beside FlashInfer (bench/results/decode_attention_tuned_h200_torch2.11.log): with no
+    # margin the tuner's pick ran 1.07-1.09x the table's time on three of 48 shapes when timed again
+    # (launches within a few per cent of each other); the table's launch holds those.
+    margin = 0.05
     _memo: dict[tuple, object] = {}
     _warned: set[str] = set()
     measured = 0  # shapes timed in this process (counters.tuned_shapes)

@@ -102,6 +102,9 @@ class MeasuredChoices:
     keeps its own `_memo`, `_warned` and `measured` (counters.tuned_shapes counts the last)."""
 
     kind = ""
+    # The first candidate (the built-in choice) is kept unless another is faster by more than this
+    # fraction: between near-equal launches a single timing picks by noise.
+    margin = 0.0
     _lock = threading.Lock()  # one for every tuner: measurements never overlap on the GPU
     _memo: dict[tuple, object]
     _warned: set[str]
@@ -126,7 +129,7 @@ class MeasuredChoices:
             if choice is None:
                 start = time.perf_counter()
                 times = self.measure(shape, candidates, device)
-                choice = min(times, key=times.get) if times else candidates[0]
+                choice = self._fastest(times, candidates[0])
                 ranked = sorted(times.items(), key=lambda ct: ct[1])
                 log.info("torch_ext: %s %s -> %s (%s; tuned in %.2f s)", self.kind, shape.key(), choice,
                          ", ".join(f"{c.label()} {t:.1f} us" for c, t in ranked), time.perf_counter() - start)
@@ -150,6 +153,14 @@ class MeasuredChoices:
                 type(self).measured += 1
             self._memo[(name, key)] = value
             return value
+
+    def _fastest(self, times: dict, first):
+        """The fastest timed choice; `first` where nothing was timed, or where it was and none beats it
+        by more than `margin`."""
+        if not times:
+            return first
+        best = min(times, key=times.get)
+        return first if first in times and times[best] * (1 + self.margin) >= times[first] else best
 
     @staticmethod
     def _to_json(choice) -> dict:
