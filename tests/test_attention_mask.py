@@ -23,7 +23,9 @@ SDPA = "aten::scaled_dot_product_attention"
 
 def two_layers(q, k, v, mask):
     a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return F.scaled_dot_product_attention(a.tanh(), k, v, mask)  # positional mask too
+    # a piece between the calls whose result is exact under any vectorization (Inductor's tanh differed
+    # from eager's by an ulp on an AVX-512 host): what the test compares is the mask's two forms
+    return F.scaled_dot_product_attention(a * 0.5 + q, k, v, mask)  # positional mask too
 
 
 def write_between(q, k, v, mask):
