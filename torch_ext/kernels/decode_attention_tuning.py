@@ -61,13 +61,8 @@ class Shape:
                 f"{'-heads' if self.mask_per_head else ''}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    path: str  # "triton" or "sdpa"
-    config: tuple[int, ...] = ()  # op.Launch.encode()
-
-    def label(self) -> str:
-        return f"{self.path}{list(self.config)}"
+class Choice(store.Choice):
+    """path "triton" (config: op.Launch.encode()) or "sdpa"."""
 
     def encode(self) -> list[int] | None:
         """The op's `config` argument (None for SDPA: the rewrite leaves that call alone)."""
@@ -114,9 +109,10 @@ def measure_cuda(shape: Shape, choices: list[Choice], device: torch.device) -> d
     esize = torch.finfo(shape.dtype).bits // 8
     cache_bytes = 2 * shape.b * shape.hkv * shape.length * shape.d * esize
     copies = store.copies_beyond_l2(cache_bytes, device, most=_CACHE_COPIES)
-    if copies * cache_bytes > torch.cuda.mem_get_info(device)[0] // 2:
+    room = torch.cuda.mem_get_info(device)[0] // 2
+    if copies * cache_bytes > room:
         copies = 1
-        if cache_bytes > torch.cuda.mem_get_info(device)[0] // 2:
+        if cache_bytes > room:
             log.info("torch_ext: decode_attention %s not tuned: a copy of its cache (%.0f MiB) does not fit "
                      "beside what this process holds; the built-in launch runs", shape.key(), cache_bytes / 2**20)
             return {}
@@ -166,6 +162,7 @@ class Tuner(store.MeasuredChoices):
     """decode_attention launches per shape (MeasuredChoices)."""
 
     kind = "decode_attention"
+    choice_type, paths, gpu_measure = Choice, ("sdpa", "triton"), staticmethod(measure_cuda)
     # H200, the grid beside FlashInfer (bench/results/decode_attention_tuned_h200_torch2.11.log): with no
     # margin the tuner's pick ran 1.07-1.09x the table's time on three of 48 shapes when timed again
     # (launches within a few per cent of each other); the table's launch holds those.
@@ -179,26 +176,3 @@ class Tuner(store.MeasuredChoices):
                  candidates: Callable[[Shape, torch.device], list[Choice]] = candidates,
                  file_name: Callable[[torch.device], str] = functools.partial(store.file_name, "decode_attention")):
         super().__init__(directory, measure, candidates, file_name)
-
-    def choose(self, shape: Shape, device: torch.device) -> Choice | None:
-        """The fastest launch for shape on device; None (the op's table) where nothing can be timed."""
-        if device.type != "cuda" and self.measure is measure_cuda:
-            return None
-        return super().choose(shape, device)
-
-    @staticmethod
-    def _to_json(choice: Choice) -> dict:
-        return {"path": choice.path, "config": list(choice.config)}
-
-    @staticmethod
-    def _from_json(stored) -> Choice | None:
-        if not isinstance(stored, dict) or stored.get("path") not in ("sdpa", "triton"):
-            return None
-        config = stored.get("config", [])
-        if not isinstance(config, list) or not all(isinstance(c, int) for c in config):
-            return None
-        try:
-            op.checked_config(config if stored["path"] == "triton" else None)
-        except ValueError:
-            return None
-        return Choice(stored["path"], tuple(config))

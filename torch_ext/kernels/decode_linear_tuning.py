@@ -47,13 +47,8 @@ class Shape:
         return f"{self.rows},{self.n},{self.k},{str(self.dtype).removeprefix('torch.')},{int(self.bias)}"
 
 
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    path: str  # "cublas", "triton" or "mma"
-    config: tuple[int, ...] = ()
-
-    def label(self) -> str:
-        return f"{self.path}{list(self.config)}"
+class Choice(store.Choice):
+    """path "cublas", "triton" or "mma", config that path's launch config."""
 
     def encode(self) -> list[int] | None:
         """The op's `config` argument (None for cuBLAS: the rewrite leaves that linear alone)."""
@@ -165,6 +160,7 @@ class Tuner(store.MeasuredChoices):
     """decode_linear choices per shape (MeasuredChoices), and whether a prologue folded into one pays."""
 
     kind = "decode_linear"
+    choice_type, paths, gpu_measure = Choice, ("cublas", *PATHS), staticmethod(measure_cuda)
     _memo: dict[tuple, object] = {}  # one per process: every compile shares what was measured
     _warned: set[str] = set()
     measured = 0  # shapes and folds timed in this process (counters.tuned_shapes)
@@ -176,13 +172,6 @@ class Tuner(store.MeasuredChoices):
                  measure_fold: Callable[[Shape, str, Choice, torch.device], tuple[float, float]] = measure_fold_cuda):
         super().__init__(directory, measure, candidates, file_name)
         self.measure_fold = measure_fold
-
-    def choose(self, shape: Shape, device: torch.device) -> Choice | None:
-        """The fastest kernel for shape on device (cuBLAS first among the candidates, so where nothing
-        could be timed); None (the op's defaults) where nothing can be timed."""
-        if device.type != "cuda" and self.measure is measure_cuda:
-            return None
-        return super().choose(shape, device)
 
     def fold_pays(self, shape: Shape, part: str, choice: Choice, device: torch.device) -> bool:
         """Whether folding the prologue `part` ("norm" or "gate") into choice's call is faster on this GPU
@@ -196,16 +185,3 @@ class Tuner(store.MeasuredChoices):
 
         stored = lambda entry: entry["fold"] if isinstance(entry, dict) and isinstance(entry.get("fold"), bool) else None  # noqa: E731
         return self.remembered(self.file_name(device), f"{shape.key()}|{part}|{choice.label()}", compute, stored)
-
-    @staticmethod
-    def _to_json(choice: Choice) -> dict:
-        return {"path": choice.path, "config": list(choice.config)}
-
-    @staticmethod
-    def _from_json(stored) -> Choice | None:
-        if not isinstance(stored, dict) or stored.get("path") not in ("cublas", *PATHS):
-            return None
-        config = stored.get("config", [])
-        if not isinstance(config, list) or not all(isinstance(c, int) for c in config):
-            return None
-        return Choice(stored["path"], tuple(config))

@@ -8,6 +8,7 @@ and measures only what neither knows. Files are one JSON per GPU model, torch, T
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -95,13 +96,27 @@ def file_name(prefix: str, device: torch.device) -> str:
             f"-triton{triton_version}-{_source_hash(prefix)}.json")
 
 
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """A candidate: its path (which kernel, or the op it replaces) and that path's launch config."""
+    path: str
+    config: tuple[int, ...] = ()
+
+    def label(self) -> str:
+        return f"{self.path}{list(self.config)}"
+
+
 class MeasuredChoices:
     """Choices per shape: from this process, then the directory's file, else measured (and written).
 
-    A subclass names its kernels (`kind`), says how a choice is stored (`_to_json`, `_from_json`) and
-    keeps its own `_memo`, `_warned` and `measured` (counters.tuned_shapes counts the last)."""
+    A subclass names its kernels (`kind`), its Choice class and the paths a stored choice may name, its
+    GPU timing (`gpu_measure`: with it, devices other than CUDA get no choice), and keeps its own
+    `_memo`, `_warned` and `measured` (counters.tuned_shapes counts the last)."""
 
     kind = ""
+    choice_type: type[Choice] = Choice
+    paths: tuple[str, ...] = ()
+    gpu_measure: Callable | None = None  # a staticmethod in subclasses
     # The first candidate (the built-in choice) is kept unless another is faster by more than this
     # fraction: between near-equal launches a single timing picks by noise.
     margin = 0.0
@@ -115,8 +130,10 @@ class MeasuredChoices:
         self.directory, self.measure, self.candidates, self.file_name = directory, measure, candidates, file_name
 
     def choose(self, shape, device: torch.device):
-        """The fastest candidate for shape on device (one that times fastest, or the first candidate
-        where none could be timed)."""
+        """The fastest candidate for shape on device (the first candidate where none could be timed);
+        None (the op's built-in config) off CUDA, where the GPU timing cannot run."""
+        if device.type != "cuda" and self.measure is self.gpu_measure:
+            return None
         with self._lock:
             name = self.file_name(device)
             memo_key = (name, shape)
@@ -162,13 +179,17 @@ class MeasuredChoices:
         best = min(times, key=times.get)
         return first if first in times and times[best] * (1 + self.margin) >= times[first] else best
 
-    @staticmethod
-    def _to_json(choice) -> dict:
-        raise NotImplementedError
+    def _to_json(self, choice: Choice) -> dict:
+        return {"path": choice.path, "config": list(choice.config)}
 
-    @staticmethod
-    def _from_json(stored):
-        raise NotImplementedError
+    def _from_json(self, stored) -> Choice | None:
+        """A stored choice, or None where it is not one (whether this code still runs it, the candidates say)."""
+        if not isinstance(stored, dict) or stored.get("path") not in self.paths:
+            return None
+        config = stored.get("config", [])
+        if not isinstance(config, list) or not all(isinstance(c, int) for c in config):
+            return None
+        return self.choice_type(stored["path"], tuple(config))
 
     def _path(self, name: str) -> str | None:
         return os.path.join(self.directory, "tuning", name) if self.directory else None
