@@ -111,13 +111,10 @@ def use_lock(lock) -> None:
 
 
 def build(mode: str, device: str):
-    import torch_ext
-    from torch_ext.backend import CompileConfig
+    """concurrency.py's ext-<mode> column, warmed up at every batch size."""
+    import concurrency
 
-    model = cm.Blocks().to(device).eval()
-    compiled = torch_ext.compile(model, CompileConfig(
-        splitting_ops=(cm.SPLIT_AT,), cache_dir=None, cudagraph_mode=mode, cudagraph_capture_sizes=tuple(range(1, 9)),
-        guard_free_dispatch=True, progress_bar=False))
+    compiled = concurrency.build(f"ext-{mode}", cm.Blocks().to(device).eval())
     with torch.no_grad():
         first = cm.batch(3, device, seed=0)
         torch._dynamo.mark_dynamic(first, 0)

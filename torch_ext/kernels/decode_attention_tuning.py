@@ -75,7 +75,8 @@ def candidates(shape: Shape, device: torch.device) -> list[Choice]:
     if not has_triton() or shape.d > 256:
         return [Choice("sdpa")]
     table = op.default_launch(shape.b, shape.h, shape.hkv, shape.d).encode()
-    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = 2 * sms
     launches = [tuple(table), *((*c, programs) for c in GROUPED_ALTERNATIVES)]
     if shape.h == shape.hkv:
         launches += [(*c, programs) for c in PER_HEAD_ALTERNATIVES]
@@ -83,7 +84,7 @@ def candidates(shape: Shape, device: torch.device) -> list[Choice]:
     # One split per row where the rows fit in one wave: no float32 partials and no combine launch
     # (8 x 32 x 16 x 256 on an H200: 8.1 against 9.3 us). Over more rows the tuner's timing picked it
     # where it ran 1.2x slower in the bench (32 x 32 x 8 x 1024: 46.0 against 38.2 us).
-    if shape.b * shape.hkv <= programs // 2:  # rows of either kernel (the per-head one serves MHA only)
+    if shape.b * shape.hkv <= sms:  # rows of either kernel (the per-head one serves MHA only)
         launches += [(*table[:4], 1), (1, 128, 4, 2, 1)]
     if shape.d > _MAX_THREE_STAGE_HEAD_DIM:
         launches = [c for c in launches if c[3] < 3]
