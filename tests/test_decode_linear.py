@@ -83,6 +83,53 @@ print("WORST", worst)
 '''
 
 
+GATE_EPILOGUE_CHECK = r'''
+import torch
+from torch_ext.kernels.decode_linear import decode_linear_reference, decode_linear_triton, prologue_reference
+torch.manual_seed(0)
+worst = 0.0
+# [gate_start, up_start, width] over n outputs: gate then up (Llama's merged gate/up), up first, apart,
+# an odd width (masked pairs), with the norm prologue, a bias and a residual.
+for k, n, gate, dtype, norm, bias, residual in [
+        (256, 16, [0, 8, 8], torch.float16, False, False, False),
+        (512, 12, [6, 0, 6], torch.float32, True, True, False),
+        (256, 20, [1, 11, 7], torch.float16, True, False, True),
+        (2048, 6, [0, 3, 3], torch.float32, False, True, True)]:
+    x = torch.randn(1, 1, k, dtype=dtype) * 3
+    w = torch.randn(n, k, dtype=dtype) / k ** 0.5
+    g = torch.rand(k, dtype=dtype) + 0.5 if norm else None
+    b = torch.randn(n, dtype=dtype) if bias else None
+    res = torch.randn(1, 1, gate[2], dtype=dtype) if residual else None
+    y = decode_linear_triton(x, w, b, False, norm_weight=g, eps=1e-5, residual=res, gate=gate)
+    # The projection in float64, rounded, then the gate as eager computes it: what the op computes.
+    p = torch.nn.functional.linear(prologue_reference(x, g, 1e-5).double(), w.double(),
+                                   b.double() if bias else None).to(dtype)
+    s, u, width = gate
+    expected = torch.nn.functional.silu(p[..., s:s + width]) * p[..., u:u + width]
+    if residual:
+        expected = expected + res
+    assert y.shape == expected.shape == (1, 1, width) and y.dtype == dtype, (k, n, gate)
+    assert decode_linear_reference(x, w, b, g, 1e-5, None, res, gate).shape == y.shape
+    err = ((y.double() - expected.double()).norm() / expected.double().norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), (k, n, gate, dtype, err)
+    worst = max(worst, err)
+try:
+    decode_linear_triton(torch.randn(1, 64), torch.randn(8, 64), None, False, gate=[0, 4, 5])
+    raise AssertionError("a gate past the outputs was taken")
+except ValueError as e:
+    assert "gate" in str(e)
+print("WORST", worst)
+'''
+
+
+@pytest.mark.slow
+def test_one_row_gate_epilogue_equals_the_eager_formulation_in_the_interpreter():
+    """The one-row kernel with a gated MLP's silu(gate) * up in its epilogue (each program pairs a gate
+    row with its up row) equals projection-then-gate as eager computes it, with the norm, a bias, a
+    residual, any slice layout; a gate outside the weight is refused."""
+    run_in_interpreter(GATE_EPILOGUE_CHECK)
+
+
 @pytest.mark.slow
 def test_fused_norm_gate_and_residual_equal_the_eager_formulation_in_the_interpreter():
     """The one-row kernel with an RMSNorm before (HF's rounding), silu(gate) * up before, a residual

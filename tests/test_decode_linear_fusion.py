@@ -291,7 +291,7 @@ def _gate_of(call):
 def test_above_the_prologue_rows_the_gate_runs_in_the_gate_up_projections_epilogue(monkeypatch, form, gate):
     """At GATE_EPILOGUE_ROWS rows (here 2..MAX_ROWS: the CUDA path) silu(gate) * up over two slices of one
     projection's output becomes that projection's call with gate=[gate's start, up's start, width]: no
-    kernel of its own. At one row the down projection's prologue takes the gate instead (as before).
+    kernel of its own. With one row left out of them the down projection's prologue takes the gate instead.
     Outside them (the default at 4 rows: slower in HF Llama, kernels/decode_linear.py) the gate is left to Inductor."""
     from torch_ext.kernels import decode_linear as op
 
@@ -314,10 +314,10 @@ def test_above_the_prologue_rows_the_gate_runs_in_the_gate_up_projections_epilog
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rows", [2, 8, 9, 16, 17, 32, 33])
-def test_by_default_the_gate_epilogue_serves_9_to_32_rows(monkeypatch, rows):
-    """Where it measured faster in HF Llama and bench/decode.py (batches 12-32; slower at 8; past 32 rows
-    the op runs F.linear)."""
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 16, 17, 32, 33])
+def test_by_default_the_gate_epilogue_serves_one_and_9_to_32_rows(monkeypatch, rows):
+    """One row (the Triton kernel pairs gate and up rows) and where it measured faster in HF Llama and
+    bench/decode.py (batches 12-32; slower at 8; past 32 rows the op runs F.linear)."""
     monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
     gm, fused, out, expected = _rewritten(GatedMLP("chunk").to(torch.bfloat16).eval(),
                                           torch.randn(rows, 1, DIM, dtype=torch.bfloat16))
@@ -325,7 +325,36 @@ def test_by_default_the_gate_epilogue_serves_9_to_32_rows(monkeypatch, rows):
     if rows > 32:
         assert not gates  # past MAX_ROWS the projections stay F.linear, the gate Inductor's
     else:
-        assert (gates[0] is not None) == (9 <= rows <= 32) and gates[1] is None
+        assert (gates[0] is not None) == (rows == 1 or 9 <= rows <= 32) and gates[1] is None
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+class MergedLayer(torch.nn.Module):
+    """A Llama MLP block with gate and up merged into one projection (as rewrite/merge_projections.py leaves it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = RMSNorm(DIM)
+        self.gate_up = torch.nn.Linear(DIM, 2 * HIDDEN, bias=False)
+        self.down = torch.nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x):
+        h = torch.tanh(x)
+        gate, up = self.gate_up(self.norm(h)).chunk(2, dim=-1)
+        return h + self.down(torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_at_one_row_the_gate_goes_into_the_gate_up_call_beside_its_norm(monkeypatch, dtype):
+    """At one row the epilogue takes the gate before the down projection's prologue could (which would
+    compute silu(gate) * up again in every program), and the norm still folds into the same call."""
+    monkeypatch.setattr(rewrite, "DEVICES", ("cpu",))
+    gm, fused, out, expected = _rewritten(MergedLayer().to(dtype).eval(), torch.randn(1, 1, DIM, dtype=dtype))
+    gate_up, down = _calls(gm)
+    assert fused == 3 and _gate_of(gate_up) == [0, HIDDEN, HIDDEN]
+    assert _fused_parts(gate_up) == {"norm"} and _fused_parts(down) == {"residual"}
+    names = {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes}
+    assert not names & {"silu", "chunk", "rsqrt"}
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 

@@ -134,20 +134,44 @@ def test_tuning_times_every_candidate_and_each_computes_linear(tmp_path, rows, n
     print(f"tuned {shape.key()}: {choice} ({', '.join(f'{c.path}{list(c.config)} {t:.1f} us' for c, t in times.items())})")
 
 
-@pytest.mark.parametrize("part", ["norm", "gate"])
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm,bias", [(False, False), (True, True)])
+def test_the_one_row_gate_epilogue_equals_the_eager_formulation(pdl, dtype, norm, bias):
+    """silu(gate) * up of the projection's two halves inside the one-row kernel: the projection in float64,
+    rounded, then eager's gate (bfloat16 here; the interpreter rounds it wrong)."""
+    from torch_ext.kernels.decode_linear import prologue_reference
+
+    k, width = 896, 4864  # Qwen2 0.5B's gate/up
+    g = torch.Generator(device="cuda").manual_seed(int(norm))
+    x = torch.randn(1, 1, k, device="cuda", dtype=dtype, generator=g) * 3
+    w = torch.randn(2 * width, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5
+    b = torch.randn(2 * width, device="cuda", dtype=dtype, generator=g) if bias else None
+    nw = torch.rand(k, device="cuda", dtype=dtype, generator=g) + 0.5 if norm else None
+    out = decode_linear_triton(x, w, b, pdl, norm_weight=nw, eps=1e-6, gate=[0, width, width])
+    y = torch.nn.functional.linear(prologue_reference(x, nw, 1e-6).double(), w.double(),
+                                   b.double() if bias else None).to(dtype)
+    expected = torch.nn.functional.silu(y[..., :width]) * y[..., width:]
+    err = ((out.double() - expected.double()).norm() / expected.double().norm()).item()
+    assert out.shape == expected.shape and err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.parametrize("part", ["norm", "gate", "gate_epilogue"])
 def test_a_folded_prologue_is_timed_against_a_kernel_of_its_own(part):
     """Both sides of the fold decision run on this GPU and take time; the folded call computes eager's result."""
     from torch_ext.kernels import decode_linear_tuning as tuning
     from torch_ext.kernels.decode_linear import decode_linear_reference
 
-    shape, device = tuning.Shape(1, 1536, 8960 if part == "gate" else 1536, torch.bfloat16, False), torch.device("cuda")
+    n, k = {"norm": (1536, 1536), "gate": (1536, 8960), "gate_epilogue": (2 * 4864, 896)}[part]
+    shape, device = tuning.Shape(1, n, k, torch.bfloat16, False), torch.device("cuda")
     for choice in tuning.candidates(shape, device)[1:3]:
         folded, separate = tuning.measure_fold_cuda(shape, part, choice, device)
         assert folded > 0 and separate > 0
         x = torch.randn(1, shape.k, device="cuda", dtype=shape.dtype)
         w = torch.randn(shape.n, shape.k, device="cuda", dtype=shape.dtype) / shape.k ** 0.5
-        extra = dict(norm_weight=torch.rand(shape.k, device="cuda", dtype=shape.dtype) + 0.5, eps=1e-6) \
-            if part == "norm" else dict(up=torch.randn_like(x))
+        extra = {"norm": lambda: dict(norm_weight=torch.rand(shape.k, device="cuda", dtype=shape.dtype) + 0.5, eps=1e-6),
+                 "gate": lambda: dict(up=torch.randn_like(x)),
+                 "gate_epilogue": lambda: dict(gate=[0, n // 2, n // 2])}[part]()
         out = torch.ops.torch_ext.decode_linear(x, w, None, True, **extra, config=choice.encode())
         ref = decode_linear_reference(x.double(), w.double(), None, **{k: v.double() if torch.is_tensor(v) else v
                                                                        for k, v in extra.items()})

@@ -132,6 +132,50 @@ def test_without_a_directory_choices_live_in_the_process(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize("epilogue_pays,prologue_pays,expected", [
+    (True, True, "epilogue"), (False, True, "prologue"), (False, False, "apart")])
+def test_a_one_row_gate_goes_where_measured_fastest(tmp_path, epilogue_pays, prologue_pays, expected):
+    """The gate/up projection's epilogue where it times faster than the gate's own kernel, else the down
+    projection's prologue where that does, else the gate is left to Inductor; the results equal eager's."""
+    from test_decode_linear_fusion import MergedLayer
+
+    parts = []
+
+    def fold(shape, part, choice, device):
+        parts.append(part)
+        pays = {"gate_epilogue": epilogue_pays, "gate": prologue_pays}.get(part, True)
+        return (1.0, 2.0) if pays else (2.0, 1.0)
+
+    gm, inputs = _graph(MergedLayer().to(torch.bfloat16).eval(), torch.randn(1, 1, 64, dtype=torch.bfloat16))
+    with torch.no_grad():
+        eager = gm(*inputs)
+    tuner = tuning.Tuner(str(tmp_path), measure=Measure(TRITON), candidates=lambda shape, device: [CUBLAS, TRITON, MMA],
+                         file_name=lambda device: "decode_linear-test-gpu.json", measure_fold=fold)
+    rewrite.use_decode_linear(gm, tuner)
+    fuse_into_decode_linear(gm, tuner)
+    gate_up, down = _calls(gm)
+    gate = gate_up.args[8] if len(gate_up.args) > 8 else None
+    up = down.args[6] if len(down.args) > 6 else None
+    assert (gate is not None, up is not None) == {"epilogue": (True, False), "prologue": (False, True),
+                                                   "apart": (False, False)}[expected]
+    assert parts[0] == "gate_epilogue" and ("gate" in parts) == (not epilogue_pays)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs), eager, rtol=0, atol=0)
+
+
+def test_a_one_row_gate_up_call_on_the_cuda_path_keeps_its_gate_apart(tmp_path):
+    """The epilogue at one row is the Triton kernel's: a call the tuner gave the CUDA path is left as it is."""
+    from test_decode_linear_fusion import MergedLayer
+
+    gm, inputs = _graph(MergedLayer().to(torch.bfloat16).eval(), torch.randn(1, 1, 64, dtype=torch.bfloat16))
+    tuner = _tuner(str(tmp_path), Measure(MMA), fold=(1.0, 2.0))
+    rewrite.use_decode_linear(gm, tuner)
+    fuse_into_decode_linear(gm, tuner)
+    gate_up, down = _calls(gm)
+    assert len(gate_up.args) <= 8 or gate_up.args[8] is None
+    assert down.args[6] is not None  # the down projection's prologue took it (measured to pay)
+
+
 def test_a_compile_counts_the_shapes_it_measured(monkeypatch, tmp_path):
     """counters.tuned_shapes: kernels and folds timed by a compile (none where the file answers)."""
     from torch_ext.backend import CompileConfig, counters

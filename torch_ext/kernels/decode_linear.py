@@ -13,7 +13,7 @@ memory bandwidth.
         up (..., K) like x: then x = silu(x) * up (a gated MLP's input to its down projection).
         gate [gate_start, up_start, width]: the output is silu(y[..., gate_start:gate_start + width]) *
         y[..., up_start:up_start + width] for the projection's y (a gated MLP's merged gate/up projection
-        and its product, at 2..MAX_ROWS rows; the rewrite uses it where GATE_EPILOGUE_ROWS says).
+        and its product; the rewrite uses it where GATE_EPILOGUE_ROWS says).
         residual then has the product's shape.
         residual (..., N or width): added to the output (a residual stream's add).
         config: the kernel and its launch config, as measured for this shape on this GPU
@@ -74,8 +74,10 @@ GATE_PROLOGUE_MAX_ROWS = 1
 # registers at 4 warps (it held 110: 4 blocks an SM, so gate/up's 704 blocks took two waves) it lost at
 # 17-32 rows. At 2-8 rows it lost too, with 8 warps: HF Llama batch 8 1.075 against 1.042 ms (the gate/up
 # kernel 21.3 us against 18.6; bench/results/inference_floor_early_launch_h100_torch2.11.log), not
-# measured since.
-GATE_EPILOGUE_ROWS = range(9, 33)
+# measured since. At one row the Triton kernel takes it: each program pairs a gate row with its up row, so
+# nothing is computed twice and the gate's own kernel (3.2 us a layer on Qwen2 0.5B, H200) is gone; where
+# kernels are tuned, the tuner times it against that kernel first (decode_linear_tuning.measure_fold_cuda).
+GATE_EPILOGUE_ROWS = (1, *range(9, 33))
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -101,21 +103,21 @@ def _(x, weight, bias, prefetch, norm_weight=None, eps=0.0, up=None, residual=No
     if runs_reference("decode_linear") or not 0 < rows <= MAX_ROWS:
         return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual, gate)
     path, launch = decoded_config(config) or (None, None)
-    # The CUDA path: where measured fastest, else (defaults) at 2..MAX_ROWS rows or with a gate; Triton's
-    # multi-row paths lost to cuBLAS (the docstring). A Triton choice serves one row without a gate.
-    triton_row = path == "triton" if path else rows == 1 and gate is None
-    if not triton_row or rows > 1 or gate is not None:
+    # The CUDA path: where measured fastest, else (defaults) at 2..MAX_ROWS rows; Triton's multi-row paths
+    # lost to cuBLAS (the docstring). The Triton kernel serves one row, with a gate too.
+    triton_row = path == "triton" if path else rows == 1
+    if not triton_row or rows > 1:
         if not triton_row and mma.mma_takes(x, weight, bias, norm_weight, up, residual, gate):
             return mma.decode_linear_mma(x, weight, bias, prefetch, norm_weight=norm_weight, eps=eps, up=up,
                                          residual=residual, gate=gate, config=launch)
         return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual, gate)
-    if not (has_triton() and kernel_takes(x, weight, bias, norm_weight, up, residual)):
-        return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual)
+    if not (has_triton() and kernel_takes(x, weight, bias, norm_weight, up, residual, gate)):
+        return decode_linear_reference(x, weight, bias, norm_weight, eps, up, residual, gate)
     from torch_ext.kernels.pdl_kernels import has_pdl
 
     overrides = dict(zip(TRITON_CONFIG, launch)) if launch else None
     return decode_linear_triton(x, weight, bias, prefetch and has_pdl(x.device), overrides, norm_weight=norm_weight,
-                                eps=eps, up=up, residual=residual)
+                                eps=eps, up=up, residual=residual, gate=gate)
 
 
 # The op's `config` argument: [path, *its launch config], as kernels/decode_linear_tuning.py measured it.
@@ -173,8 +175,8 @@ def serves(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
 
 def serves_gate(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the rewrite puts a gate into the op's call at this many rows (GATE_EPILOGUE_ROWS; the
-    CUDA path, 2..MAX_ROWS rows, computes it)."""
-    return rows in GATE_EPILOGUE_ROWS and rows > 1 and serves(rows, dtype, device)
+    Triton kernel computes it at one row, the CUDA path at 2..MAX_ROWS)."""
+    return rows in GATE_EPILOGUE_ROWS and serves(rows, dtype, device)
 
 
 def serves_prologue(rows: int, dtype: torch.dtype, device: torch.device, part: str) -> bool:
@@ -183,12 +185,16 @@ def serves_prologue(rows: int, dtype: torch.dtype, device: torch.device, part: s
     return rows <= limit and serves(rows, dtype, device)
 
 
-def kernel_takes(x, weight, bias, norm_weight=None, up=None, residual=None) -> bool:
+def kernel_takes(x, weight, bias, norm_weight=None, up=None, residual=None, gate=None) -> bool:
     """Shapes and layouts the Triton kernel serves (the op falls back to the reference on the rest): one
-    row, a float dtype shared by every operand, K a multiple of 64, contiguous weight and operands."""
+    row, a float dtype shared by every operand, K a multiple of 64, contiguous weight and operands, a
+    gate's slices inside the weight."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     n = weight.shape[0] if weight.dim() == 2 else -1
+    if gate is not None and not mma.gate_fits(gate, n):
+        return False
+    out = n if gate is None else gate[2]
 
     def plain(t, shape) -> bool:  # an optional operand: x's dtype, the given shape, contiguous
         return t is None or (t.dtype == x.dtype and t.shape == shape and t.is_contiguous())
@@ -196,7 +202,7 @@ def kernel_takes(x, weight, bias, norm_weight=None, up=None, residual=None) -> b
     return (rows == 1 and weight.dim() == 2 and weight.shape[1] == k and k % 64 == 0
             and weight.is_contiguous() and x.dtype in _DTYPES and weight.dtype == x.dtype
             and plain(bias, (n,)) and plain(norm_weight, (k,)) and plain(up, x.shape)
-            and plain(residual, (*x.shape[:-1], n)))
+            and plain(residual, (*x.shape[:-1], out)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,7 +218,7 @@ def config(k: int) -> dict:
 
 
 def decode_linear_triton(x, weight, bias, pdl: bool, overrides: dict | None = None, *, norm_weight=None,
-                         eps: float = 0.0, up=None, residual=None) -> torch.Tensor:
+                         eps: float = 0.0, up=None, residual=None, gate=None) -> torch.Tensor:
     """The Triton kernel, one row (also on CPU tensors under TRITON_INTERPRET=1, with pdl False, for
     tests); overrides (launch config entries) replace the kernel's choice (bench/inference_floor.py)."""
     import triton
@@ -220,7 +226,9 @@ def decode_linear_triton(x, weight, bias, pdl: bool, overrides: dict | None = No
     from torch_ext.kernels.decode_linear_kernels import decode_linear_kernel
     from torch_ext.kernels.pdl_kernels import launch_options
 
-    n, k = weight.shape
+    _check_gate(gate, weight.shape[0])
+    k = weight.shape[1]
+    n = weight.shape[0] if gate is None else gate[2]  # outputs
     x2 = x.reshape(-1, k)
     if x2.shape[0] != 1:
         raise ValueError(f"decode_linear_triton: one row, not {x2.shape[0]} (the op routes more rows elsewhere)")
@@ -228,10 +236,14 @@ def decode_linear_triton(x, weight, bias, pdl: bool, overrides: dict | None = No
         x2 = x2.contiguous()
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     cfg = {**config(k), **(overrides or {})}
+    if gate is not None:  # a program pairs gate and up rows: half as many outputs, the same weight rows a program
+        cfg["BLOCK_N"] = max(1, cfg["BLOCK_N"] // 2)
     up2 = up.reshape(-1, k).contiguous() if up is not None else x2
     res2 = residual.reshape(-1, n).contiguous() if residual is not None else y
+    gate_start, up_start = (gate[0], gate[1]) if gate is not None else (0, 0)
     decode_linear_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x2, weight, bias if bias is not None else weight, y, norm_weight if norm_weight is not None else weight,
-        up2, res2, float(eps), n, K=k, HAS_BIAS=bias is not None, PDL=pdl, NORM=norm_weight is not None,
-        GATED=up is not None, RESIDUAL=residual is not None, **cfg, **launch_options(pdl))
+        up2, res2, float(eps), n, int(gate_start), int(up_start), K=k, HAS_BIAS=bias is not None, PDL=pdl,
+        NORM=norm_weight is not None, GATED=up is not None, RESIDUAL=residual is not None, GATE=gate is not None,
+        **cfg, **launch_options(pdl))
     return y.view(*x.shape[:-1], n)

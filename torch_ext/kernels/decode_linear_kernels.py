@@ -8,7 +8,9 @@ bias and the output are touched only after the wait.
 
 The kernel also fuses what a decode layer runs around its projections (the op's docstring):
 NORM, an RMSNorm of x first (each program sums x's squares itself: one row is a few KB from L2);
-GATED, silu(x) * up; RESIDUAL, an add after. Each rounds to x's dtype where eager does.
+GATED, silu(x) * up; GATE, a gated MLP's silu(gate) * up over two slices of this projection's outputs
+(output j pairs weight rows gate_start + j and up_start + j in one program, so nothing is computed twice);
+RESIDUAL, an add after. Each rounds to x's dtype where eager does.
 """
 from __future__ import annotations
 
@@ -34,13 +36,18 @@ def _row_prologue(x_ptr, up_ptr, g_ptr, cols, inv_rms, NORM: tl.constexpr, GATED
 
 
 @triton.jit
-def decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, up_ptr, res_ptr, eps, N, K: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE_K: tl.constexpr,
-                         PDL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
-    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    live = features < N
+def decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, up_ptr, res_ptr, eps, N, gate_start, up_start,
+                         K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PRE_K: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+                         RESIDUAL: tl.constexpr, GATE: tl.constexpr):
+    outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's outputs (N of them in all)
+    live = outs < N
+    features = outs + gate_start  # weight rows (without GATE gate_start is 0)
+    ups = outs + up_start  # GATE: the up rows paired with them
     pre_cols = tl.arange(0, PRE_K)
     w_pre = tl.load(w_ptr + features[:, None] * K + pre_cols[None, :], mask=live[:, None], other=0.0)
+    if GATE:
+        w_pre_up = tl.load(w_ptr + ups[:, None] * K + pre_cols[None, :], mask=live[:, None], other=0.0)
     wait_then_release(PDL)  # x is complete, y is ours to write
     inv_rms = 1.0
     if NORM:  # the row's mean square
@@ -53,15 +60,27 @@ def decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, up_ptr, res_ptr, eps
     # and BLOCK_K columns differ; the interpreter does not check that, the compiler does).
     x_pre = _row_prologue(x_ptr, up_ptr, g_ptr, pre_cols, inv_rms, NORM, GATED)
     acc = tl.sum(w_pre.to(tl.float32) * x_pre[None, :], axis=1)
+    acc_up = acc  # GATE only; the names must exist on every path
+    if GATE:
+        acc_up = tl.sum(w_pre_up.to(tl.float32) * x_pre[None, :], axis=1)
     for k0 in range(PRE_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + features[:, None] * K + cols[None, :], mask=live[:, None], other=0.0)
         x_tile = _row_prologue(x_ptr, up_ptr, g_ptr, cols, inv_rms, NORM, GATED)
         acc += tl.sum(w.to(tl.float32) * x_tile[None, :], axis=1)
+        if GATE:
+            w_up = tl.load(w_ptr + ups[:, None] * K + cols[None, :], mask=live[:, None], other=0.0)
+            acc_up += tl.sum(w_up.to(tl.float32) * x_tile[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + features, mask=live, other=0.0).to(tl.float32)
+        if GATE:
+            acc_up += tl.load(b_ptr + ups, mask=live, other=0.0).to(tl.float32)
     out = acc.to(y_ptr.dtype.element_ty)
+    if GATE:  # eager: the projection rounded, silu of the gate half rounded, times the up half, rounded
+        g = out.to(tl.float32)
+        g = (g * tl.sigmoid(g)).to(y_ptr.dtype.element_ty).to(tl.float32)
+        out = (g * acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty)
     if RESIDUAL:  # eager adds the rounded projection to the residual, in y's dtype
-        res = tl.load(res_ptr + features, mask=live, other=0.0)
+        res = tl.load(res_ptr + outs, mask=live, other=0.0)
         out = (out.to(tl.float32) + res.to(tl.float32)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + features, out, mask=live)
+    tl.store(y_ptr + outs, out, mask=live)

@@ -139,18 +139,31 @@ def measure_cuda(shape: Shape, choices: list[Choice], device: torch.device) -> d
 def measure_fold_cuda(shape: Shape, part: str, choice: Choice, device: torch.device) -> tuple[float, float]:
     """(us with the prologue `part`, "norm" or "gate", folded into choice's call; us with the call plain
     and one elementwise kernel before it, as Inductor would leave the prologue). A folded prologue is
-    computed again by every block of the projection: it pays where the launch it saves costs more."""
+    computed again by every block of the projection: it pays where the launch it saves costs more.
+    "gate_epilogue": the call with silu(gate) * up of its two output halves in its epilogue, against the
+    call plain and one elementwise kernel after it."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily(), torch.no_grad(), torch.cuda.device(device):
         bench = _Bench(shape, device)
         x, bias, config = bench.x, bench.bias, choice.encode()
-        fused = dict(norm_weight=bench.norm_weight, eps=1e-6) if part == "norm" else dict(up=bench.other)
-        second = bench.norm_weight if part == "norm" else bench.other
-        buf = torch.empty_like(x)
         op_call = torch.ops.torch_ext.decode_linear.default
-        folded = bench.time(lambda w: op_call(x, w, bias, True, **fused, config=config))
-        separate = bench.time(lambda w: op_call(torch.mul(x, second, out=buf), w, bias, True, config=config))
+        if part == "gate_epilogue":
+            half = shape.n // 2
+            buf = torch.empty((shape.rows, half), dtype=shape.dtype, device=device)
+            folded = bench.time(lambda w: op_call(x, w, bias, True, gate=[0, half, half], config=config))
+
+            def separate_run(w):
+                y = op_call(x, w, bias, True, config=config)
+                return torch.mul(y[:, :half], y[:, half:2 * half], out=buf)
+
+            separate = bench.time(separate_run)
+        else:
+            fused = dict(norm_weight=bench.norm_weight, eps=1e-6) if part == "norm" else dict(up=bench.other)
+            second = bench.norm_weight if part == "norm" else bench.other
+            buf = torch.empty_like(x)
+            folded = bench.time(lambda w: op_call(x, w, bias, True, **fused, config=config))
+            separate = bench.time(lambda w: op_call(torch.mul(x, second, out=buf), w, bias, True, config=config))
         del bench, buf
     torch.cuda.empty_cache()
     return folded, separate
@@ -174,8 +187,8 @@ class Tuner(store.MeasuredChoices):
         self.measure_fold = measure_fold
 
     def fold_pays(self, shape: Shape, part: str, choice: Choice, device: torch.device) -> bool:
-        """Whether folding the prologue `part` ("norm" or "gate") into choice's call is faster on this GPU
-        than leaving it to a kernel of its own (measure_fold_cuda)."""
+        """Whether folding `part` (the "norm" or "gate" prologue, the "gate_epilogue") into choice's call is
+        faster on this GPU than leaving it to a kernel of its own (measure_fold_cuda)."""
         def compute():
             folded, separate = self.measure_fold(shape, part, choice, device)
             pays = folded <= separate

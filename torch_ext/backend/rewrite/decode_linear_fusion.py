@@ -1,7 +1,7 @@
 """What a decode layer runs around its projections of a few rows, folded into torch_ext::decode_linear calls
-(the norm and gate into the next call's prologue up to decode_linear's NORM_ / GATE_PROLOGUE_MAX_ROWS rows,
-above that, where GATE_EPILOGUE_ROWS says, the gate into the gate/up projection's epilogue; the residual add at
-every row count).
+(the gate into the gate/up projection's epilogue where GATE_EPILOGUE_ROWS says, else into the next call's
+prologue up to GATE_PROLOGUE_MAX_ROWS rows; the norm into the next call's prologue up to NORM_PROLOGUE_MAX_ROWS
+rows; the residual add at every row count).
 
 After rewrite/decode_linear.py a Llama-style layer (HF's RMSNorm, a gated MLP, residual adds) reads
 
@@ -15,7 +15,7 @@ Here, where the graph has exactly these forms (kernels/decode_linear.py computes
   - norm: a call whose input is such an RMSNorm's output, used by decode_linear calls alone, takes h1,
     g and eps instead (norm_weight=, eps=);
   - gate: a call whose input is silu(a) * b, used by decode_linear calls alone, takes a and up=b;
-  - gate epilogue (a gate the prologue did not take, at GATE_EPILOGUE_ROWS rows): silu(a) * b
+  - gate epilogue (first, at GATE_EPILOGUE_ROWS rows; at one row where measured faster): silu(a) * b
     where a and b are equal-width slices (split / chunk along the last dim) of one call's output, used
     only there, becomes that call with gate=[a's start, b's start, width];
   - residual: an add of a call's output (used by that add alone) and a tensor of the output's shape
@@ -66,10 +66,16 @@ def _is_call(node) -> bool:
 
 def _is_plain_call(node) -> bool:
     """A decode_linear call with nothing fused yet."""
+    return _takes_prologue(node) and _full_args(node)[_GATE] is None
+
+
+def _takes_prologue(node) -> bool:
+    """A decode_linear call with no prologue or residual fused yet (a gate epilogue may be in it: the
+    one-row kernel computes both)."""
     if not _is_call(node):
         return False
     args = _full_args(node)
-    return all(args[i] is None for i in (_NORM_WEIGHT, _UP, _RESIDUAL, _GATE))
+    return all(args[i] is None for i in (_NORM_WEIGHT, _UP, _RESIDUAL))
 
 
 def _tensor(node):
@@ -188,7 +194,7 @@ def _prologue_rows(node: fx.Node, part: str) -> bool:
 def _only_read_as_input(node: fx.Node, part: str) -> bool:
     """Every user of node is a plain decode_linear call reading it as x, of rows the prologue serves."""
     return bool(node.users) and _prologue_rows(node, part) and all(
-        _is_plain_call(u) and u.args[_X] is node and sum(a is node for a in u.all_input_nodes) == 1
+        _takes_prologue(u) and u.args[_X] is node and sum(a is node for a in u.all_input_nodes) == 1
         for u in node.users)
 
 
@@ -225,9 +231,9 @@ def _erase(gm: fx.GraphModule, nodes: list) -> None:
 
 
 def _folds_pay(calls, part: str, tuner) -> bool:
-    """Whether the prologue `part` is measured faster folded into each of calls (their kernels as the tuner
-    chose them) than left to a kernel of its own; True without a tuner or a choice (the built-in rule,
-    serves_prologue, decides alone)."""
+    """Whether `part` (the "norm" or "gate" prologue, the "gate_epilogue") is measured faster folded into each
+    of calls (their kernels as the tuner chose them) than left to a kernel of its own; True without a tuner or
+    a choice (the built-in rules, serves_prologue and serves_gate, decide alone)."""
     if tuner is None:
         return True
     for call in calls:
@@ -244,6 +250,11 @@ def fuse_into_decode_linear(gm: fx.GraphModule, tuner: tuning.Tuner | None = Non
     """Fold norms, gates and residual adds into gm's decode_linear calls (in place); returns how many.
     With a tuner, a norm or gate is folded only where that measures faster (_folds_pay)."""
     fused = 0
+    # The gate epilogue first: where it takes a gate (nothing computed twice), the down projection's
+    # prologue need not (that would redo silu(gate) * up in every program).
+    for node in list(gm.graph.nodes):
+        if node.op in ("call_function", "call_method"):
+            fused += _fuse_gate_epilogue(gm, node, tuner)
     order = {node: i for i, node in enumerate(gm.graph.nodes)}  # erasing keeps the others' order
     for node in list(gm.graph.nodes):
         if node.op not in ("call_function", "call_method"):
@@ -271,9 +282,6 @@ def fuse_into_decode_linear(gm: fx.GraphModule, tuner: tuning.Tuner | None = Non
                 call.args, call.kwargs = _still_safe(args), {}
             _erase(gm, [node, silu])
             fused += 1
-    for node in list(gm.graph.nodes):
-        if node.op in ("call_function", "call_method"):
-            fused += _fuse_gate_epilogue(gm, node)
     for node in list(gm.graph.nodes):
         fused += _fuse_residual(gm, node)
     if fused:
@@ -329,8 +337,10 @@ def _column_slice(node) -> tuple[fx.Node, int, int] | None:
     return call, sum(widths[:index]), widths[index]
 
 
-def _fuse_gate_epilogue(gm: fx.GraphModule, mul: fx.Node) -> int:
-    """silu(a) * b over two slices of one plain call's output -> that call with gate= (module docstring)."""
+def _fuse_gate_epilogue(gm: fx.GraphModule, mul: fx.Node, tuner=None) -> int:
+    """silu(a) * b over two slices of one plain call's output -> that call with gate= (module docstring).
+    At one row (the Triton kernel), with a tuner, only where that is measured faster than the gate's own
+    kernel."""
     gate = match_gate(mul)
     if gate is None:
         return 0
@@ -347,6 +357,10 @@ def _fuse_gate_epilogue(gm: fx.GraphModule, mul: fx.Node) -> int:
     if not (set(call.users) == {parts} and set(parts.users) == {a, b} and set(a.users) == {silu}
             and set(silu.users) == {mul} and set(b.users) == {mul} and not writes_between(call, mul)):
         return 0
+    if value.numel() == value.shape[-1]:  # one row: the Triton kernel's (a CUDA-path choice keeps its gate apart)
+        choice = tuning.decode(_full_args(call)[_CONFIG])
+        if choice is not None and choice.path != "triton" or not _folds_pay([call], "gate_epilogue", tuner):
+            return 0
     args = _full_args(call)
     args[_GATE] = [slice_a[1], slice_b[1], slice_a[2]]
     with gm.graph.inserting_before(mul):
