@@ -163,6 +163,24 @@ def test_a_one_row_gate_goes_where_measured_fastest(tmp_path, epilogue_pays, pro
         torch.testing.assert_close(gm(*inputs), eager, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("pays", [True, False])
+@pytest.mark.parametrize("rows", [4, 16])
+def test_tuned_the_gate_epilogue_goes_wherever_it_measures_faster(tmp_path, rows, pays):
+    """Tuned, the CUDA path's gate epilogue is timed at every row count (4 rows: off by the untuned rule)."""
+    from test_decode_linear_fusion import MergedLayer
+
+    gm, inputs = _graph(MergedLayer().to(torch.bfloat16).eval(), torch.randn(rows, 1, 64, dtype=torch.bfloat16))
+    with torch.no_grad():
+        eager = gm(*inputs)
+    tuner = _tuner(str(tmp_path), Measure(MMA), fold=(1.0, 2.0) if pays else (2.0, 1.0))
+    rewrite.use_decode_linear(gm, tuner)
+    fuse_into_decode_linear(gm, tuner)
+    gate_up = _calls(gm)[0]
+    assert (len(gate_up.args) > 8 and gate_up.args[8] is not None) == pays
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs), eager, rtol=0, atol=0)
+
+
 def test_a_one_row_gate_up_call_on_the_cuda_path_keeps_its_gate_apart(tmp_path):
     """The epilogue at one row is the Triton kernel's: a call the tuner gave the CUDA path is left as it is."""
     from test_decode_linear_fusion import MergedLayer

@@ -83,8 +83,8 @@ def column_experiment(name: str):
                    "ext-prologue8": [(op, "NORM_PROLOGUE_MAX_ROWS", 8), (op, "GATE_PROLOGUE_MAX_ROWS", 8)],
                    "ext-prologue0": [(op, "NORM_PROLOGUE_MAX_ROWS", 0), (op, "GATE_PROLOGUE_MAX_ROWS", 0)],
                    "ext-norm8": [(op, "NORM_PROLOGUE_MAX_ROWS", 8)],
-                   "ext-gate": [(op, "GATE_EPILOGUE_ROWS", range(2, op.MAX_ROWS + 1))],
-                   "ext-nogate": [(op, "GATE_EPILOGUE_ROWS", range(0))],
+                   "ext-gate": [(op, "GATE_EPILOGUE_ROWS", range(1, op.MAX_ROWS + 1))],
+                   "ext-nogate": [(op, "GATE_EPILOGUE", False)],
                    "ext-late-launch": [(options, "EARLY_LAUNCH", False)]}[name]
         before = [(module, field, getattr(module, field)) for module, field, _ in patches]
         for module, field, value in patches:

@@ -75,9 +75,13 @@ GATE_PROLOGUE_MAX_ROWS = 1
 # 17-32 rows. At 2-8 rows it lost too, with 8 warps: HF Llama batch 8 1.075 against 1.042 ms (the gate/up
 # kernel 21.3 us against 18.6; bench/results/inference_floor_early_launch_h100_torch2.11.log), not
 # measured since. At one row the Triton kernel takes it: each program pairs a gate row with its up row, so
-# nothing is computed twice and the gate's own kernel (3.2 us a layer on Qwen2 0.5B, H200) is gone; where
-# kernels are tuned, the tuner times it against that kernel first (decode_linear_tuning.measure_fold_cuda).
+# nothing is computed twice and the gate's own kernel (3.2 us a layer on Qwen2 0.5B, H200) is gone.
+# These rows are the rule without tuning (CompileConfig.kernel_tuning off); where kernels are tuned, every
+# row count up to MAX_ROWS gets the epilogue where the tuner times it faster than the call plain and the
+# gate's own kernel, per shape on the GPU (decode_linear_tuning.measure_fold_cuda). GATE_EPILOGUE False:
+# never (bench column ext-nogate).
 GATE_EPILOGUE_ROWS = (1, *range(9, 33))
+GATE_EPILOGUE = True
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -173,10 +177,12 @@ def serves(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
             and (device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)))
 
 
-def serves_gate(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the rewrite puts a gate into the op's call at this many rows (GATE_EPILOGUE_ROWS; the
-    Triton kernel computes it at one row, the CUDA path at 2..MAX_ROWS)."""
-    return rows in GATE_EPILOGUE_ROWS and serves(rows, dtype, device)
+def serves_gate(rows: int, dtype: torch.dtype, device: torch.device, tuned: bool = False) -> bool:
+    """Whether the rewrite may put a gate into the op's call at this many rows (the Triton kernel computes
+    it at one row, the CUDA path at 2..MAX_ROWS): tuned, at every row count (the tuner then decides per
+    shape); else where GATE_EPILOGUE_ROWS says."""
+    return (GATE_EPILOGUE and (rows <= MAX_ROWS if tuned else rows in GATE_EPILOGUE_ROWS)
+            and serves(rows, dtype, device))
 
 
 def serves_prologue(rows: int, dtype: torch.dtype, device: torch.device, part: str) -> bool:

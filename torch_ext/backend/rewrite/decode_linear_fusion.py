@@ -15,7 +15,8 @@ Here, where the graph has exactly these forms (kernels/decode_linear.py computes
   - norm: a call whose input is such an RMSNorm's output, used by decode_linear calls alone, takes h1,
     g and eps instead (norm_weight=, eps=);
   - gate: a call whose input is silu(a) * b, used by decode_linear calls alone, takes a and up=b;
-  - gate epilogue (first, at GATE_EPILOGUE_ROWS rows; at one row where measured faster): silu(a) * b
+  - gate epilogue (first; where kernels are tuned, at any row count where measured faster, else at
+    GATE_EPILOGUE_ROWS rows): silu(a) * b
     where a and b are equal-width slices (split / chunk along the last dim) of one call's output, used
     only there, becomes that call with gate=[a's start, b's start, width];
   - residual: an add of a call's output (used by that add alone) and a tensor of the output's shape
@@ -339,8 +340,8 @@ def _column_slice(node) -> tuple[fx.Node, int, int] | None:
 
 def _fuse_gate_epilogue(gm: fx.GraphModule, mul: fx.Node, tuner=None) -> int:
     """silu(a) * b over two slices of one plain call's output -> that call with gate= (module docstring).
-    At one row (the Triton kernel), with a tuner, only where that is measured faster than the gate's own
-    kernel."""
+    Where the tuner chose the call's kernel: at any row count, where measured faster than the gate's own
+    kernel; else at GATE_EPILOGUE_ROWS."""
     gate = match_gate(mul)
     if gate is None:
         return 0
@@ -350,17 +351,20 @@ def _fuse_gate_epilogue(gm: fx.GraphModule, mul: fx.Node, tuner=None) -> int:
         return 0
     call, parts = slice_a[0], a.args[0]
     value = _tensor(call)
-    if not (_is_plain_call(call) and value is not None and value.dim() >= 1
-            and op_module.serves_gate(value.numel() // value.shape[-1], value.dtype, value.device)):
+    if not (_is_plain_call(call) and value is not None and value.dim() >= 1):
+        return 0
+    rows, choice = value.numel() // value.shape[-1], tuning.decode(_full_args(call)[_CONFIG])
+    tuned = tuner is not None and choice is not None  # the tuner decides (else the built-in rows)
+    if not op_module.serves_gate(rows, value.dtype, value.device, tuned):
+        return 0
+    if rows == 1 and choice is not None and choice.path != "triton":  # one row: the Triton kernel's epilogue
         return 0
     # Every intermediate is private to the pattern (erased below) and nothing writes before the mul.
     if not (set(call.users) == {parts} and set(parts.users) == {a, b} and set(a.users) == {silu}
             and set(silu.users) == {mul} and set(b.users) == {mul} and not writes_between(call, mul)):
         return 0
-    if value.numel() == value.shape[-1]:  # one row: the Triton kernel's (a CUDA-path choice keeps its gate apart)
-        choice = tuning.decode(_full_args(call)[_CONFIG])
-        if choice is not None and choice.path != "triton" or not _folds_pay([call], "gate_epilogue", tuner):
-            return 0
+    if tuned and not _folds_pay([call], "gate_epilogue", tuner):
+        return 0
     args = _full_args(call)
     args[_GATE] = [slice_a[1], slice_b[1], slice_a[2]]
     with gm.graph.inserting_before(mul):
