@@ -181,17 +181,40 @@ def test_tuned_the_gate_epilogue_goes_wherever_it_measures_faster(tmp_path, rows
         torch.testing.assert_close(gm(*inputs), eager, rtol=0, atol=0)
 
 
-def test_a_one_row_gate_up_call_on_the_cuda_path_keeps_its_gate_apart(tmp_path):
-    """The epilogue at one row is the Triton kernel's: a call the tuner gave the CUDA path is left as it is."""
+def test_a_one_row_gate_up_call_takes_the_cuda_path_where_its_gated_kernel_is_fastest(tmp_path):
+    """Plain, the Triton GEMV is the fastest at one row; gated, the CUDA path beats it plus the gate's own kernel
+    (the H200's times for Qwen2 0.5B's gate/up): the call then runs the CUDA path with the gate, equal to eager."""
     from test_decode_linear_fusion import MergedLayer
 
+    def fold(shape, part, choice, device):
+        if part != "gate_epilogue":
+            return (1.0, 2.0)
+        return (12.4, 9.4) if choice == TRITON else (6.2, 9.0)
+
     gm, inputs = _graph(MergedLayer().to(torch.bfloat16).eval(), torch.randn(1, 1, 64, dtype=torch.bfloat16))
-    tuner = _tuner(str(tmp_path), Measure(MMA), fold=(1.0, 2.0))
+    with torch.no_grad():
+        eager = gm(*inputs)
+    tuner = tuning.Tuner(str(tmp_path), measure=Measure(TRITON), candidates=lambda shape, device: [CUBLAS, TRITON, MMA],
+                         file_name=lambda device: "decode_linear-test-gpu.json", measure_fold=fold)
     rewrite.use_decode_linear(gm, tuner)
     fuse_into_decode_linear(gm, tuner)
     gate_up, down = _calls(gm)
-    assert len(gate_up.args) <= 8 or gate_up.args[8] is None
-    assert down.args[6] is not None  # the down projection's prologue took it (measured to pay)
+    assert gate_up.args[8] == [0, 128, 128] and gate_up.args[9] == MMA.encode() and down.args[9] == TRITON.encode()
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs), eager, rtol=0, atol=0)
+    # What was measured is kept: a new tuner on the same directory reads it instead of timing again.
+    (path,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs]
+    kept = [k for k in json.load(open(path))["shapes"] if "gate_epilogue" in k]
+    assert len(kept) == 2  # the Triton and the CUDA path's gated kernels, timed once each
+
+    def no_timing(*args):
+        raise AssertionError("measured again")
+
+    tuning.Tuner._memo.clear()  # a new process: only the file knows
+    again = tuning.Tuner(str(tmp_path), measure=Measure(TRITON), candidates=lambda shape, device: [CUBLAS, TRITON, MMA],
+                         file_name=lambda device: "decode_linear-test-gpu.json", measure_fold=no_timing)
+    shape = tuning.Shape(1, 256, 64, torch.bfloat16, False)
+    assert again.gate_epilogue_choice(shape, TRITON, torch.device("cpu")) == MMA
 
 
 def test_a_compile_counts_the_shapes_it_measured(monkeypatch, tmp_path):

@@ -340,8 +340,8 @@ def _column_slice(node) -> tuple[fx.Node, int, int] | None:
 
 def _fuse_gate_epilogue(gm: fx.GraphModule, mul: fx.Node, tuner=None) -> int:
     """silu(a) * b over two slices of one plain call's output -> that call with gate= (module docstring).
-    Where the tuner chose the call's kernel: at any row count, where measured faster than the gate's own
-    kernel; else at GATE_EPILOGUE_ROWS."""
+    Where the tuner chose the call's kernel: at any row count, where a gated kernel measures faster than the
+    call plus the gate's own kernel (that kernel then serves the call); else at GATE_EPILOGUE_ROWS."""
     gate = match_gate(mul)
     if gate is None:
         return 0
@@ -357,15 +357,17 @@ def _fuse_gate_epilogue(gm: fx.GraphModule, mul: fx.Node, tuner=None) -> int:
     tuned = tuner is not None and choice is not None  # the tuner decides (else the built-in rows)
     if not op_module.serves_gate(rows, value.dtype, value.device, tuned):
         return 0
-    if rows == 1 and choice is not None and choice.path != "triton":  # one row: the Triton kernel's epilogue
-        return 0
     # Every intermediate is private to the pattern (erased below) and nothing writes before the mul.
     if not (set(call.users) == {parts} and set(parts.users) == {a, b} and set(a.users) == {silu}
             and set(silu.users) == {mul} and set(b.users) == {mul} and not writes_between(call, mul)):
         return 0
-    if tuned and not _folds_pay([call], "gate_epilogue", tuner):
-        return 0
     args = _full_args(call)
+    if tuned:  # the gated kernel measured fastest, where it beats the call plus the gate's own kernel
+        x, w = _tensor(call.args[_X]), _tensor(call.args[1])
+        gated = tuner.gate_epilogue_choice(tuning.Shape.of(x, w, call.args[2] is not None), choice, x.device)
+        if gated is None:
+            return 0
+        args[_CONFIG] = gated.encode()
     args[_GATE] = [slice_a[1], slice_b[1], slice_a[2]]
     with gm.graph.inserting_before(mul):
         new = gm.graph.call_function(_op(), _positional(args))
