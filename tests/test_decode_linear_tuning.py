@@ -36,10 +36,26 @@ class Measure:
 
 
 def _tuner(directory, measure, fold=None):
-    """fold: (folded us, separate us) every prologue measures."""
+    """fold: (folded us, separate us) every prologue measures, or a function of (shape, part, choice, device)."""
     return tuning.Tuner(directory, measure=measure, candidates=lambda shape, device: [CUBLAS, TRITON, MMA],
                         file_name=lambda device: "decode_linear-test-gpu.json",
-                        measure_fold=lambda shape, part, choice, device: fold)
+                        measure_fold=fold if callable(fold) else lambda shape, part, choice, device: fold)
+
+
+def _fused_merged_layer(tmp_path, fastest, fold, rows=1):
+    """A Llama MLP block with merged gate/up, rewritten and fused with a stand-in tuner; its calls, and
+    checked equal to eager's result (the CPU runs the op's reference)."""
+    from test_decode_linear_fusion import MergedLayer
+
+    gm, inputs = _graph(MergedLayer().to(torch.bfloat16).eval(), torch.randn(rows, 1, 64, dtype=torch.bfloat16))
+    with torch.no_grad():
+        eager = gm(*inputs)
+    tuner = _tuner(str(tmp_path), Measure(fastest), fold)
+    rewrite.use_decode_linear(gm, tuner)
+    fuse_into_decode_linear(gm, tuner)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs), eager, rtol=0, atol=0)
+    return _calls(gm)
 
 
 @pytest.fixture(autouse=True)
@@ -137,8 +153,6 @@ def test_without_a_directory_choices_live_in_the_process(tmp_path):
 def test_a_one_row_gate_goes_where_measured_fastest(tmp_path, epilogue_pays, prologue_pays, expected):
     """The gate/up projection's epilogue where it times faster than the gate's own kernel, else the down
     projection's prologue where that does, else the gate is left to Inductor; the results equal eager's."""
-    from test_decode_linear_fusion import MergedLayer
-
     parts = []
 
     def fold(shape, part, choice, device):
@@ -146,62 +160,32 @@ def test_a_one_row_gate_goes_where_measured_fastest(tmp_path, epilogue_pays, pro
         pays = {"gate_epilogue": epilogue_pays, "gate": prologue_pays}.get(part, True)
         return (1.0, 2.0) if pays else (2.0, 1.0)
 
-    gm, inputs = _graph(MergedLayer().to(torch.bfloat16).eval(), torch.randn(1, 1, 64, dtype=torch.bfloat16))
-    with torch.no_grad():
-        eager = gm(*inputs)
-    tuner = tuning.Tuner(str(tmp_path), measure=Measure(TRITON), candidates=lambda shape, device: [CUBLAS, TRITON, MMA],
-                         file_name=lambda device: "decode_linear-test-gpu.json", measure_fold=fold)
-    rewrite.use_decode_linear(gm, tuner)
-    fuse_into_decode_linear(gm, tuner)
-    gate_up, down = _calls(gm)
+    gate_up, down = _fused_merged_layer(tmp_path, TRITON, fold)
     gate = gate_up.args[8] if len(gate_up.args) > 8 else None
     up = down.args[6] if len(down.args) > 6 else None
     assert (gate is not None, up is not None) == {"epilogue": (True, False), "prologue": (False, True),
                                                    "apart": (False, False)}[expected]
     assert parts[0] == "gate_epilogue" and ("gate" in parts) == (not epilogue_pays)
-    with torch.no_grad():
-        torch.testing.assert_close(gm(*inputs), eager, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("pays", [True, False])
 @pytest.mark.parametrize("rows", [4, 16])
 def test_tuned_the_gate_epilogue_goes_wherever_it_measures_faster(tmp_path, rows, pays):
     """Tuned, the CUDA path's gate epilogue is timed at every row count (4 rows: off by the untuned rule)."""
-    from test_decode_linear_fusion import MergedLayer
-
-    gm, inputs = _graph(MergedLayer().to(torch.bfloat16).eval(), torch.randn(rows, 1, 64, dtype=torch.bfloat16))
-    with torch.no_grad():
-        eager = gm(*inputs)
-    tuner = _tuner(str(tmp_path), Measure(MMA), fold=(1.0, 2.0) if pays else (2.0, 1.0))
-    rewrite.use_decode_linear(gm, tuner)
-    fuse_into_decode_linear(gm, tuner)
-    gate_up = _calls(gm)[0]
+    gate_up = _fused_merged_layer(tmp_path, MMA, (1.0, 2.0) if pays else (2.0, 1.0), rows)[0]
     assert (len(gate_up.args) > 8 and gate_up.args[8] is not None) == pays
-    with torch.no_grad():
-        torch.testing.assert_close(gm(*inputs), eager, rtol=0, atol=0)
 
 
 def test_a_one_row_gate_up_call_takes_the_cuda_path_where_its_gated_kernel_is_fastest(tmp_path):
     """Plain, the Triton GEMV is the fastest at one row; gated, the CUDA path beats it plus the gate's own kernel
     (the H200's times for Qwen2 0.5B's gate/up): the call then runs the CUDA path with the gate, equal to eager."""
-    from test_decode_linear_fusion import MergedLayer
-
     def fold(shape, part, choice, device):
         if part != "gate_epilogue":
             return (1.0, 2.0)
         return (12.4, 9.4) if choice == TRITON else (6.2, 9.0)
 
-    gm, inputs = _graph(MergedLayer().to(torch.bfloat16).eval(), torch.randn(1, 1, 64, dtype=torch.bfloat16))
-    with torch.no_grad():
-        eager = gm(*inputs)
-    tuner = tuning.Tuner(str(tmp_path), measure=Measure(TRITON), candidates=lambda shape, device: [CUBLAS, TRITON, MMA],
-                         file_name=lambda device: "decode_linear-test-gpu.json", measure_fold=fold)
-    rewrite.use_decode_linear(gm, tuner)
-    fuse_into_decode_linear(gm, tuner)
-    gate_up, down = _calls(gm)
+    gate_up, down = _fused_merged_layer(tmp_path, TRITON, fold)
     assert gate_up.args[8] == [0, 128, 128] and gate_up.args[9] == MMA.encode() and down.args[9] == TRITON.encode()
-    with torch.no_grad():
-        torch.testing.assert_close(gm(*inputs), eager, rtol=0, atol=0)
     # What was measured is kept: a new tuner on the same directory reads it instead of timing again.
     (path,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs]
     kept = [k for k in json.load(open(path))["shapes"] if "gate_epilogue" in k]
@@ -211,10 +195,8 @@ def test_a_one_row_gate_up_call_takes_the_cuda_path_where_its_gated_kernel_is_fa
         raise AssertionError("measured again")
 
     tuning.Tuner._memo.clear()  # a new process: only the file knows
-    again = tuning.Tuner(str(tmp_path), measure=Measure(TRITON), candidates=lambda shape, device: [CUBLAS, TRITON, MMA],
-                         file_name=lambda device: "decode_linear-test-gpu.json", measure_fold=no_timing)
     shape = tuning.Shape(1, 256, 64, torch.bfloat16, False)
-    assert again.gate_epilogue_choice(shape, TRITON, torch.device("cpu")) == MMA
+    assert _tuner(str(tmp_path), Measure(TRITON), no_timing).gate_epilogue_choice(shape, TRITON, torch.device("cpu")) == MMA
 
 
 def test_a_compile_counts_the_shapes_it_measured(monkeypatch, tmp_path):
