@@ -34,11 +34,12 @@ def test_decode_linear_kernel_builds_for_every_fused_part(k, block_k, pre_k):
     from torch_ext.kernels.decode_linear_kernels import decode_linear_kernel
 
     pointers = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "g_ptr", "up_ptr", "res_ptr")
-    signature = {name: "*bf16" if name in pointers else {"eps": "fp32", "N": "i32"}.get(name, "constexpr")
+    ints = {"eps": "fp32", "N": "i32", "gate_start": "i32", "up_start": "i32"}
+    signature = {name: "*bf16" if name in pointers else ints.get(name, "constexpr")
                  for name in decode_linear_kernel.arg_names}
-    for has_bias, pdl, norm, gated, residual in itertools.product((False, True), repeat=5):
-        constexprs = dict(K=k, HAS_BIAS=has_bias, BLOCK_N=4, BLOCK_K=block_k, PRE_K=pre_k, PDL=pdl, NORM=norm,
-                          GATED=gated, RESIDUAL=residual)
+    for has_bias, pdl, norm, gated, residual, gate in itertools.product((False, True), repeat=6):
+        constexprs = dict(K=k, HAS_BIAS=has_bias, BLOCK_N=4 // (1 + gate), BLOCK_K=block_k, PRE_K=pre_k, PDL=pdl,
+                          NORM=norm, GATED=gated, RESIDUAL=residual, GATE=gate)
         assert "tt.func" in _ttir(decode_linear_kernel, signature, constexprs)
 
 
