@@ -217,14 +217,15 @@ class CompileConfig:
     # ops launch their Triton kernels from Python, ~0.1 ms of CPU a call: without graphs a decode step
     # waits on them (H100, HF Llama batch 1: 12.8 ms a step against 0.9 ms captured).
     decode_attention: bool | None = None
-    # Inference graphs on CUDA: linear calls of one row (a batch-1 decode step's projections), and of 2-8
+    # Inference graphs on CUDA: linear calls of one row (a batch-1 decode step's projections), and of 2-32
     # rows in float16 / bfloat16, run torch_ext's kernels (kernels/decode_linear.py: a Triton GEMV, a CUDA
     # tensor-core kernel; rewrite/decode_linear.py) instead of cuBLAS, with
     # Inductor's dependent launch (Hopper+) and combo kernels in the pieces that call it or decode
     # attention (compile/decode_options.py). None: as decode_attention's.
     decode_linear: bool | None = None
-    # Those calls also run the RMSNorm before them, silu(gate) * up before them and the residual add
-    # after them, where the graph has HF's forms (rewrite/decode_linear_fusion.py): fewer kernels.
+    # Those calls also run the RMSNorm before them, a gated MLP's silu(gate) * up (in the merged gate/up
+    # projection's epilogue, or before the down projection) and the residual add after them, where the graph
+    # has HF's forms and, with kernel_tuning, where that times faster (rewrite/decode_linear_fusion.py).
     decode_linear_fusion: bool = True
     # Inference graphs: an SDPA splitting op given a bool mask gets it as SDPA's additive mask (0 / -inf),
     # made inside the compiled piece before it, once for all calls sharing the mask
