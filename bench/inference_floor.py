@@ -61,7 +61,7 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
               own placement; ext moves it to right after their first wait)
   ext-gate    ext with decode_linear's gate epilogue at every row count where kernels are not tuned
               (silu(gate) * up written by the merged gate/up projection instead of an Inductor kernel; untuned
-              by default at 1 and 9-32 rows; tuned, wherever the tuner times it faster)
+              by default at 9-32 rows; tuned, wherever the tuner times it faster)
   ext-nogate  ext with the gate epilogue at no row count
   ext-row-n8-p1024-k512-w4 (any numbers): the one-row path's features a program, weight columns loaded
               before the wait, columns a tile, warps (default 4 / up to 2048 / 512 / 4)

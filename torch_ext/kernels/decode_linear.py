@@ -74,13 +74,14 @@ GATE_PROLOGUE_MAX_ROWS = 1
 # registers at 4 warps (it held 110: 4 blocks an SM, so gate/up's 704 blocks took two waves) it lost at
 # 17-32 rows. At 2-8 rows it lost too, with 8 warps: HF Llama batch 8 1.075 against 1.042 ms (the gate/up
 # kernel 21.3 us against 18.6; bench/results/inference_floor_early_launch_h100_torch2.11.log), not
-# measured since. At one row the Triton kernel takes it: each program pairs a gate row with its up row, so
-# nothing is computed twice and the gate's own kernel (3.2 us a layer on Qwen2 0.5B, H200) is gone.
-# These rows are the rule without tuning (CompileConfig.kernel_tuning off); where kernels are tuned, every
-# row count up to MAX_ROWS gets the epilogue where the tuner times it faster than the call plain and the
-# gate's own kernel, per shape on the GPU (decode_linear_tuning.measure_fold_cuda). GATE_EPILOGUE False:
-# never (bench column ext-nogate).
-GATE_EPILOGUE_ROWS = (1, *range(9, 33))
+# measured since. These rows are the rule without tuning (CompileConfig.kernel_tuning off). One row is not
+# among them: the one-row Triton GEMV has the epilogue too (each program pairs a gate row with its up row),
+# but on Qwen2 0.5B's gate/up it timed 12.3 us against 9.3 for the plain GEMV plus the gate's kernel (H200).
+# Where kernels are tuned, every row count up to MAX_ROWS gets the epilogue where a gated kernel times
+# faster than the call plain and the gate's own kernel, per shape on the GPU (decode_linear_tuning:
+# Tuner.gate_epilogue_choice; at one row it picked the CUDA path with the gate, 6.2 us). GATE_EPILOGUE
+# False: never (bench column ext-nogate).
+GATE_EPILOGUE_ROWS = range(9, 33)
 GATE_EPILOGUE = True
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -16,7 +16,7 @@ Here, where the graph has exactly these forms (kernels/decode_linear.py computes
     g and eps instead (norm_weight=, eps=);
   - gate: a call whose input is silu(a) * b, used by decode_linear calls alone, takes a and up=b;
   - gate epilogue (first; where kernels are tuned, at any row count where measured faster, else at
-    GATE_EPILOGUE_ROWS rows): silu(a) * b
+    GATE_EPILOGUE_ROWS rows, 9-32): silu(a) * b
     where a and b are equal-width slices (split / chunk along the last dim) of one call's output, used
     only there, becomes that call with gate=[a's start, b's start, width];
   - residual: an add of a call's output (used by that add alone) and a tensor of the output's shape
