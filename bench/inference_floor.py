@@ -63,6 +63,8 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
               (silu(gate) * up written by the merged gate/up projection instead of an Inductor kernel; untuned
               by default at 9-32 rows; tuned, wherever the tuner times it faster)
   ext-nogate  ext with the gate epilogue at no row count
+  ext-tri1    ext with the one-row Triton GEMV timed at its default launch config only (before 2026-12-04:
+              no other features-a-program counts among the tuner's candidates)
   ext-row-n8-p1024-k512-w4 (any numbers): the one-row path's features a program, weight columns loaded
               before the wait, columns a tile, warps (default 4 / up to 2048 / 512 / 4)
   ext-attn1   ext with decode attention in one split (no combine launch; each program walks a whole row)

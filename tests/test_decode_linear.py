@@ -122,6 +122,38 @@ print("WORST", worst)
 '''
 
 
+TUNED_CONFIGS_CHECK = r'''
+import torch
+from torch_ext.kernels.decode_linear import TRITON_CONFIG, decode_linear_reference, decode_linear_triton
+from torch_ext.kernels.decode_linear_tuning import triton_configs
+torch.manual_seed(0)
+worst = 0.0
+# Each launch config the tuner may pick at one row, plain, with the norm, and with the gate epilogue
+# (which halves the features a program: 2 becomes 1); float32 (the interpreter's bfloat16 rounds wrong).
+for k, n in [(320, 21), (2048, 12)]:
+    for launch in triton_configs(k):
+        overrides = dict(zip(TRITON_CONFIG, launch))
+        for extra in [{}, {"norm_weight": torch.rand(k) + 0.5, "eps": 1e-5}, {"gate": [0, n // 2, n // 2]}]:
+            x = torch.randn(1, k)
+            w = torch.randn(n, k) / k ** 0.5
+            b = torch.randn(n)
+            y = decode_linear_triton(x, w, b, False, overrides, **extra)
+            expected = decode_linear_reference(x.double(), w.double(), b.double(),
+                                               **{key: v.double() if torch.is_tensor(v) else v for key, v in extra.items()})
+            err = ((y.double() - expected).norm() / expected.norm()).item()
+            assert y.shape == expected.shape and err < 1e-5, (k, n, launch, list(extra), err)
+            worst = max(worst, err)
+print("WORST", worst)
+'''
+
+
+@pytest.mark.slow
+def test_every_one_row_launch_config_the_tuner_offers_equals_a_float64_reference_in_the_interpreter():
+    """The Triton GEMV under each config decode_linear_tuning may choose (features a program 2, 4, 8),
+    plain, with a folded norm and with the gate epilogue."""
+    run_in_interpreter(TUNED_CONFIGS_CHECK)
+
+
 @pytest.mark.slow
 def test_one_row_gate_epilogue_equals_the_eager_formulation_in_the_interpreter():
     """The one-row kernel with a gated MLP's silu(gate) * up in its epilogue (each program pairs a gate

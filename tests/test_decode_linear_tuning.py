@@ -235,3 +235,53 @@ def test_a_config_naming_no_kernel_is_refused():
     # The reference (every device without the kernel) ignores the config: F.linear.
     torch.testing.assert_close(torch.ops.torch_ext.decode_linear(x, w, None, False, config=MMA.encode()),
                                torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.parametrize("k", [64, 320, 896, 2048, 4864, 14336])
+def test_one_row_triton_candidates_are_launchable_configs_of_each_features_count(k):
+    """At one row the Triton GEMV is timed at its default and at each TRITON_ALTERNATIVES features count;
+    every config tiles K exactly (the kernel has no column mask) and loads a power of two >= a tile first."""
+    from torch_ext.kernels import decode_linear as op
+
+    configs = tuning.triton_configs(k)
+    assert configs[0] == tuple(op.config(k).values())
+    assert [c[0] for c in configs] == [op.config(k)["BLOCK_N"], *tuning.TRITON_ALTERNATIVES]
+    for block_n, block_k, pre_k, warps in configs:
+        assert k % block_k == 0 and pre_k % block_k == 0 and block_k <= pre_k <= k and pre_k & (pre_k - 1) == 0
+        # no more registers before the wait than the default, but for the one tile it cannot go below
+        assert block_n * pre_k <= configs[0][0] * configs[0][2] or pre_k == block_k
+    if op.has_triton():  # float32: the CUDA path (16-bit only) would ask the GPU for its capability
+        shape = tuning.Shape(1, 256, k, torch.float32, False)
+        offered = [c.config for c in tuning.candidates(shape, torch.device("cpu")) if c.path == "triton"]
+        assert offered == list(dict.fromkeys(configs))
+        assert not any(c.path == "triton" for c in tuning.candidates(tuning.Shape(2, 256, k, torch.float32, False),
+                                                                     torch.device("cpu")))
+
+
+def test_a_tuner_offered_other_candidates_measures_among_its_own(tmp_path):
+    """The process's memo is keyed by the candidates too: a tuner offered fewer (a bench column without the
+    alternatives) does not take a choice made among more, and one offered the same reuses it."""
+    shape, device = tuning.Shape(1, 128, 64, torch.bfloat16, False), torch.device("cpu")
+    other = tuning.Choice("triton", (2, 64, 64, 4))
+    every, fewer = [CUBLAS, TRITON, other, MMA], [CUBLAS, TRITON, MMA]
+
+    def tuner(offered, measure):
+        return tuning.Tuner(None, measure=measure, candidates=lambda shape, device: offered,
+                            file_name=lambda device: "decode_linear-test-gpu.json")
+
+    assert tuner(every, Measure(other)).choose(shape, device) == other
+    assert tuner(fewer, Measure(MMA)).choose(shape, device) == MMA
+    again = Measure(CUBLAS)
+    assert tuner(every, again).choose(shape, device) == other and again.shapes == []
+
+
+def test_a_fused_variant_that_fails_to_run_is_not_folded(tmp_path, caplog):
+    """A prologue or gate whose fused kernel raises while timed (a config it cannot launch) stays a kernel
+    of its own, said in the log, and the layer still equals eager."""
+    def fold(shape, part, choice, device):
+        raise RuntimeError("out of resources")
+
+    with caplog.at_level(logging.INFO, logger="torch_ext.backend"):
+        gate_up, down = _fused_merged_layer(tmp_path, TRITON, fold)
+    assert len(gate_up.args) <= 8 or gate_up.args[8] is None  # no gate epilogue
+    assert "failed (RuntimeError: out of resources); not folded" in caplog.text

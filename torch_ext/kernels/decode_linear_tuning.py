@@ -28,6 +28,10 @@ log = logging.getLogger("torch_ext.backend")
 PATHS = {path: code for code, path in op.CONFIG_PATHS.items()}  # the op's `config` argument starts with one
 # Other CUDA-path configs timed beside the default: (features a block / 16, warps, chunks in flight, x mode).
 MMA_ALTERNATIVES = ((1, 16, 1, 2), (1, 8, 1, 2), (1, 8, 1, 1), (1, 4, 1, 1))
+# Features a program of the one-row Triton GEMV timed beside its default's 4: a sweep of plain GEMVs on
+# an H200 picked 2 (bench/experiments/pdl_gemv.py), the default was picked with norms and gates fused;
+# 8 halves the programs of a wide projection.
+TRITON_ALTERNATIVES = (2, 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +71,24 @@ def candidates(shape: Shape, device: torch.device) -> list[Choice]:
     if shape.k % 64:
         return out
     if shape.rows == 1 and op.has_triton():
-        out.append(Choice("triton", tuple(op.config(shape.k).values())))
+        out += [Choice("triton", c) for c in dict.fromkeys(triton_configs(shape.k))]
     if (shape.dtype in (torch.float16, torch.bfloat16) and shape.rows <= mma.MMA_MAX_ROWS
             and torch.cuda.get_device_capability(device) >= (8, 0)):
         index = device.index if device.index is not None else torch.cuda.current_device()
         configs = [mma._full(mma.default_config(shape.n, index, shape.rows)), *MMA_ALTERNATIVES]
         out += [Choice("mma", c) for c in dict.fromkeys(configs)]
+    return out
+
+
+def triton_configs(k: int) -> list[tuple[int, ...]]:
+    """The one-row GEMV's launch configs timed for K columns (op.TRITON_CONFIG's order): its default,
+    then TRITON_ALTERNATIVES' features a program. The columns loaded before the wait keep the default's
+    bytes where a program holds more features (registers), and stay a power of two >= a tile, <= K."""
+    default = op.config(k)
+    out = [tuple(default.values())]
+    for features in TRITON_ALTERNATIVES:
+        pre_k = max(default["BLOCK_K"], min(default["PRE_K"], default["PRE_K"] * default["BLOCK_N"] // features))
+        out.append(tuple(dict(default, BLOCK_N=features, PRE_K=pre_k).values()))
     return out
 
 
@@ -195,7 +211,14 @@ class Tuner(store.MeasuredChoices):
     def fold_times(self, shape: Shape, part: str, choice: Choice, device: torch.device) -> tuple[float, float]:
         """(us folded, us separate) of measure_fold_cuda, measured once per GPU model and kept."""
         def compute():
-            folded, separate = self.measure_fold(shape, part, choice, device)
+            try:
+                folded, separate = self.measure_fold(shape, part, choice, device)
+            except Exception as e:  # noqa: BLE001 - a fused variant that cannot run here is never folded
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                log.info("torch_ext: decode_linear %s: %s with %s failed (%s: %s); not folded", shape.key(), part,
+                         choice.label(), type(e).__name__, str(e)[:200])
+                folded, separate = math.inf, 0.0
             log.info("torch_ext: decode_linear %s: %s folded %.1f us, separate %.1f us (%s)", shape.key(), part,
                      folded, separate, choice.label())
             return (folded, separate), {"fold": folded <= separate, "us": [round(folded, 2), round(separate, 2)]}

@@ -136,10 +136,12 @@ class MeasuredChoices:
             return None
         with self._lock:
             name = self.file_name(device)
-            memo_key = (name, shape)
+            candidates = self.candidates(shape, device)
+            # The candidates are part of the key: a tuner offered others (a bench column, a test) measures
+            # among its own rather than reuse a choice made among more.
+            memo_key = (name, shape, tuple(candidates))
             if memo_key in self._memo:
                 return self._memo[memo_key]
-            candidates = self.candidates(shape, device)
             choice = self._from_json(self.load(name).get(shape.key()))
             if choice is not None and choice not in candidates:  # not what this code runs
                 choice = None
