@@ -219,8 +219,9 @@ class Tuner(store.MeasuredChoices):
                 log.info("torch_ext: decode_linear %s: %s with %s failed (%s: %s); not folded", shape.key(), part,
                          choice.label(), type(e).__name__, str(e)[:200])
                 folded, separate = math.inf, 0.0
-            log.info("torch_ext: decode_linear %s: %s folded %.1f us, separate %.1f us (%s)", shape.key(), part,
-                     folded, separate, choice.label())
+            else:
+                log.info("torch_ext: decode_linear %s: %s folded %.1f us, separate %.1f us (%s)", shape.key(), part,
+                         folded, separate, choice.label())
             return (folded, separate), {"fold": folded <= separate, "us": [round(folded, 2), round(separate, 2)]}
 
         def stored(entry):
