@@ -285,3 +285,43 @@ def test_a_fused_variant_that_fails_to_run_is_not_folded(tmp_path, caplog):
         gate_up, down = _fused_merged_layer(tmp_path, TRITON, fold)
     assert len(gate_up.args) <= 8 or gate_up.args[8] is None  # no gate epilogue
     assert "failed (RuntimeError: out of resources); not folded" in caplog.text
+
+
+def test_a_choice_a_shortage_of_memory_decided_is_not_written_and_is_measured_again(tmp_path, caplog):
+    """A candidate that ran out of memory while timed (other tensors beside it) loses only in this process:
+    the tuning file keeps no choice for the shape, so the next process measures it again."""
+    shape = tuning.Shape(1, 128, 64, torch.bfloat16, False)
+
+    def short_of_memory(shape, choices, device):
+        return tuning.store.Times({c: 2.0 for c in choices if c != MMA}, transient="mma[1, 8, 1, 2] ran out of memory")
+
+    with caplog.at_level(logging.INFO, logger="torch_ext.backend"):
+        assert _tuner(str(tmp_path), short_of_memory).choose(shape, torch.device("cpu")) == CUBLAS
+    assert "kept in this process only (mma[1, 8, 1, 2] ran out of memory)" in caplog.text
+    assert not [f for _, _, fs in os.walk(tmp_path) for f in fs]  # nothing written
+    again = Measure(MMA)
+    assert _tuner(str(tmp_path), again).choose(shape, torch.device("cpu")) == CUBLAS and again.shapes == []  # memo
+
+    tuning.Tuner._memo.clear()  # a new process measures the shape again, and keeps what it measured whole
+    assert _tuner(str(tmp_path), again).choose(shape, torch.device("cpu")) == MMA and again.shapes == [shape]
+    (path,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs]
+    assert json.load(open(path))["shapes"][shape.key()]["path"] == "mma"
+
+
+@pytest.mark.parametrize("error, written", [(torch.OutOfMemoryError("CUDA out of memory"), False),
+                                            (RuntimeError("out of resources"), True)])
+def test_a_fold_that_ran_out_of_memory_is_measured_again_by_the_next_process(tmp_path, error, written):
+    """A fused variant that fails for lack of memory is not folded in this process only; one that cannot
+    launch (its config) stays unfolded in the file, as a candidate that cannot run does."""
+    shape = tuning.Shape(1, 128, 64, torch.bfloat16, False)
+
+    def failing(shape, part, choice, device):
+        raise error
+
+    assert not _tuner(str(tmp_path), Measure(MMA), failing).fold_pays(shape, "norm", MMA, torch.device("cpu"))
+    files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs]
+    stored = json.load(open(files[0]))["shapes"] if files else {}
+    assert (f"{shape.key()}|norm|{MMA.label()}" in stored) == written
+    tuning.Tuner._memo.clear()  # a new process, where the fused variant runs and is faster
+    assert _tuner(str(tmp_path), Measure(MMA), (1.0, 2.0)).fold_pays(shape, "norm", MMA,
+                                                                      torch.device("cpu")) == (not written)

@@ -122,8 +122,8 @@ def measure_cuda(shape: Shape, choices: list[Choice], device: torch.device) -> d
         if cache_bytes > room:
             log.info("torch_ext: decode_attention %s not tuned: a copy of its cache (%.0f MiB) does not fit "
                      "beside what this process holds; the built-in launch runs", shape.key(), cache_bytes / 2**20)
-            return {}
-    times = {}
+            return store.Times(transient="no room beside what the process holds")
+    times = store.Times()
     with unset_fake_temporarily(), torch.no_grad(), torch.cuda.device(device):
         g = torch.Generator(device=device).manual_seed(0)
         q = torch.randn(shape.b, shape.h, 1, shape.d, device=device, generator=g).to(shape.dtype)
@@ -148,6 +148,8 @@ def measure_cuda(shape: Shape, choices: list[Choice], device: torch.device) -> d
                 torch.cuda.synchronize()
                 log.info("torch_ext: decode_attention candidate %s failed on %s (%s: %s); left out",
                          choice.label(), shape.key(), type(e).__name__, str(e)[:200])
+                if store.is_transient(e):
+                    times.transient = f"{choice.label()} ran out of memory"
         del caches, ref
     torch.cuda.empty_cache()  # the copies of the cache: not held as reserved memory afterwards
     return times

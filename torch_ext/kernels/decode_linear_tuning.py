@@ -133,7 +133,7 @@ def measure_cuda(shape: Shape, choices: list[Choice], device: torch.device) -> d
         bench = _Bench(shape, device)
         x, bias = bench.x, bench.bias
         ref = torch.nn.functional.linear(x.double(), bench.weights[0].double(), None if bias is None else bias.double())
-        times = {}
+        times = store.Times()
         for choice in choices:
             try:
                 y = _run(choice, x, bench.weights[0], bias)
@@ -147,6 +147,8 @@ def measure_cuda(shape: Shape, choices: list[Choice], device: torch.device) -> d
                 torch.cuda.synchronize()
                 log.info("torch_ext: decode_linear candidate %s failed on %s (%s: %s); left out", choice, shape,
                          type(e).__name__, str(e)[:200])
+                if store.is_transient(e):
+                    times.transient = f"{choice.label()} ran out of memory"
         del bench, ref
     torch.cuda.empty_cache()  # the candidates' copies of the weight: not held as reserved memory afterwards
     return times
@@ -216,12 +218,13 @@ class Tuner(store.MeasuredChoices):
             except Exception as e:  # noqa: BLE001 - a fused variant that cannot run here is never folded
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                log.info("torch_ext: decode_linear %s: %s with %s failed (%s: %s); not folded", shape.key(), part,
-                         choice.label(), type(e).__name__, str(e)[:200])
-                folded, separate = math.inf, 0.0
-            else:
-                log.info("torch_ext: decode_linear %s: %s folded %.1f us, separate %.1f us (%s)", shape.key(), part,
-                         folded, separate, choice.label())
+                transient = store.is_transient(e)
+                log.info("torch_ext: decode_linear %s: %s with %s failed (%s: %s); not folded%s", shape.key(), part,
+                         choice.label(), type(e).__name__, str(e)[:200],
+                         " in this process (the next one measures it again)" if transient else "")
+                return (math.inf, 0.0), None if transient else {"fold": False, "us": [math.inf, 0.0]}
+            log.info("torch_ext: decode_linear %s: %s folded %.1f us, separate %.1f us (%s)", shape.key(), part,
+                     folded, separate, choice.label())
             return (folded, separate), {"fold": folded <= separate, "us": [round(folded, 2), round(separate, 2)]}
 
         def stored(entry):

@@ -5,6 +5,8 @@ A tuner (kernels/decode_linear_tuning.py, kernels/decode_attention_tuning.py) sa
 shape has and how to time them; `MeasuredChoices.choose` asks this process first, then the tuning file,
 and measures only what neither knows. Files are one JSON per GPU model, torch, Triton and kernel source
 (`file_name`), written whole by rename; a damaged file is said once and measured again, never trusted.
+What a shortage of memory decided (a candidate that ran out of memory, a shape with no room to time) is
+kept in this process only: the next process, with other memory beside it, measures it again.
 """
 from __future__ import annotations
 
@@ -26,6 +28,20 @@ from torch_ext import process_lock
 log = logging.getLogger("torch_ext.backend")
 
 FORMAT = 1  # bump when what a result means changes
+
+
+class Times(dict):
+    """Microseconds per candidate; `transient` says why the measurement is incomplete for a reason of this
+    moment (memory held beside it), in which case its choice is not written to the tuning file."""
+
+    def __init__(self, *args, transient: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.transient = transient
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether a candidate's failure depends on what else the process holds, not on the candidate."""
+    return isinstance(error, torch.OutOfMemoryError)
 
 
 def time_in_graph(calls: list[Callable[[], object]], device: torch.device) -> float:
@@ -152,8 +168,13 @@ class MeasuredChoices:
                 ranked = sorted(times.items(), key=lambda ct: ct[1])
                 log.info("torch_ext: %s %s -> %s (%s; tuned in %.2f s)", self.kind, shape.key(), choice,
                          ", ".join(f"{c.label()} {t:.1f} us" for c, t in ranked), time.perf_counter() - start)
-                self.write(name, shape.key(), dict(self._to_json(choice),
-                                                   us={c.label(): round(t, 2) for c, t in times.items()}))
+                transient = getattr(times, "transient", None)
+                if transient:
+                    log.info("torch_ext: %s %s: kept in this process only (%s); the next process measures it "
+                             "again", self.kind, shape.key(), transient)
+                else:
+                    self.write(name, shape.key(), dict(self._to_json(choice),
+                                                       us={c.label(): round(t, 2) for c, t in times.items()}))
                 type(self).measured += 1
             self._memo[memo_key] = choice
             return choice
@@ -161,14 +182,16 @@ class MeasuredChoices:
     def remembered(self, name: str, key: Hashable, compute: Callable[[], tuple[object, dict]],
                    read: Callable[[object], object]):
         """A measured fact other than a choice (e.g. whether a fusion pays): this process's, the file's
-        where read(stored) is not None, else compute() -> (value, entry to store). Under the lock."""
+        where read(stored) is not None, else compute() -> (value, entry to store; None: this process only).
+        Under the lock."""
         with self._lock:
             if (name, key) in self._memo:
                 return self._memo[(name, key)]
             value = read(self.load(name).get(key))
             if value is None:
                 value, entry = compute()
-                self.write(name, key, entry)
+                if entry is not None:
+                    self.write(name, key, entry)
                 type(self).measured += 1
             self._memo[(name, key)] = value
             return value
