@@ -325,3 +325,21 @@ def test_a_fold_that_ran_out_of_memory_is_measured_again_by_the_next_process(tmp
     tuning.Tuner._memo.clear()  # a new process, where the fused variant runs and is faster
     assert _tuner(str(tmp_path), Measure(MMA), (1.0, 2.0)).fold_pays(shape, "norm", MMA,
                                                                       torch.device("cpu")) == (not written)
+
+
+def test_a_one_row_gate_is_timed_under_every_triton_config_and_the_fastest_gated_one_runs(tmp_path):
+    """At one row each launch config of the Triton GEMV is timed with the gate in its epilogue, beside the
+    call's choice and the CUDA path: a config that loses plain may win gated."""
+    other = tuning.Choice("triton", (8, 64, 64, 4))
+    shape = tuning.Shape(1, 256, 64, torch.bfloat16, False)
+    timed = []
+
+    def fold(shape, part, choice, device):
+        timed.append(choice)
+        return {TRITON: (9.0, 8.0), MMA: (8.5, 9.0), other: (5.0, 9.0)}[choice]
+
+    tuner = tuning.Tuner(str(tmp_path), measure=Measure(TRITON),
+                         candidates=lambda shape, device: [CUBLAS, TRITON, MMA, other],
+                         file_name=lambda device: "decode_linear-test-gpu.json", measure_fold=fold)
+    assert tuner.gate_epilogue_choice(shape, TRITON, torch.device("cpu")) == other
+    assert timed == [TRITON, MMA, other]

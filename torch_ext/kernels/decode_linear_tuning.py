@@ -237,10 +237,13 @@ class Tuner(store.MeasuredChoices):
 
     def gate_epilogue_choice(self, shape: Shape, choice: Choice, device: torch.device) -> Choice | None:
         """The kernel a gate/up call with silu(gate) * up in its epilogue runs, or None where none beats the
-        call as chosen plus the gate's own kernel. The gated kernels are timed for the call's choice and the
+        call as chosen plus the gate's own kernel. The gated kernels are timed for the call's choice, the
         CUDA path's default (at one row the tuner may pick the Triton GEMV plain, while the CUDA path with the
-        gate beats it plus the gate: Qwen2 0.5B's gate/up on an H200, 6.2 us against 9.4)."""
-        options = [choice] + [c for c in self.candidates(shape, device) if c.path == "mma" and c != choice][:1]
+        gate beats it plus the gate: Qwen2 0.5B's gate/up on an H200, 6.2 us against 9.4) and, at one row,
+        each launch config of the Triton GEMV (its epilogue holds more registers: the plain ranking may not
+        be the gated one)."""
+        others = [c for c in self.candidates(shape, device) if c != choice]
+        options = [choice] + [c for c in others if c.path == "mma"][:1] + [c for c in others if c.path == "triton"]
         times = {c: self.fold_times(shape, "gate_epilogue", c, device) for c in options}
         best = min(options, key=lambda c: times[c][0])
         return best if times[best][0] <= times[choice][1] else None
