@@ -65,6 +65,8 @@ step (torch.profiler, kernels inside CUDA graphs included). Columns:
   ext-nogate  ext with the gate epilogue at no row count
   ext-tri1    ext with the one-row Triton GEMV timed at its default launch config only (before 2026-12-04:
               no other features-a-program counts among the tuner's candidates)
+  ext-notri   ext with no Triton GEMV among the tuner's candidates at one row (the CUDA path or cuBLAS there,
+              as from two rows up)
   ext-row-n8-p1024-k512-w4 (any numbers): the one-row path's features a program, weight columns loaded
               before the wait, columns a tile, warps (default 4 / up to 2048 / 512 / 4)
   ext-attn1   ext with decode attention in one split (no combine launch; each program walks a whole row)

@@ -9,7 +9,7 @@ import torch
 
 # The columns this module knows, in the order the table lists them (ext-row-* come after, sorted).
 EXPERIMENTS = ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-unordered", "ext-no-xsmem", "ext-prologue8", "ext-prologue0", "ext-notune", "ext-norm8", "ext-gate", "ext-nogate",
-               "ext-tri1", "ext-late-launch", "ext-attn1", "ext-mha-per-head", "ext-attn-table", "ext-lt", "ext-cublas-lt")
+               "ext-tri1", "ext-notri", "ext-late-launch", "ext-attn1", "ext-mha-per-head", "ext-attn-table", "ext-lt", "ext-cublas-lt")
 # Columns whose change acts at a kernel's launch (its config), not at compile: their graph must be
 # captured inside the context, and full CUDA graphs capture on a later call than the first.
 AT_LAUNCH = ("ext-row", "ext-noxpf", "ext-unordered", "ext-no-xsmem", "ext-attn1", "ext-mha-per-head", "ext-lt",
@@ -55,7 +55,7 @@ def column_experiment(name: str):
             torch.backends.cuda.preferred_blas_library(before)
         return
     if name in ("ext-rows1", "ext-rows8", "ext-noxpf", "ext-unordered", "ext-no-xsmem", "ext-prologue8", "ext-prologue0", "ext-norm8", "ext-gate", "ext-nogate",
-                "ext-tri1", "ext-late-launch"):
+                "ext-tri1", "ext-notri", "ext-late-launch"):
         import torch_ext.backend.compile.decode_options as options
         import torch_ext.kernels.decode_linear as op
         import torch_ext.kernels.decode_linear_mma as mma
@@ -87,6 +87,7 @@ def column_experiment(name: str):
                    "ext-gate": [(op, "GATE_EPILOGUE_ROWS", range(1, op.MAX_ROWS + 1))],
                    "ext-nogate": [(op, "GATE_EPILOGUE", False)],
                    "ext-tri1": [(tuning, "TRITON_ALTERNATIVES", ())],
+                   "ext-notri": [(tuning, "triton_configs", lambda k: [])],
                    "ext-late-launch": [(options, "EARLY_LAUNCH", False)]}[name]
         before = [(module, field, getattr(module, field)) for module, field, _ in patches]
         for module, field, value in patches:
